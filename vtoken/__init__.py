@@ -1,0 +1,6 @@
+"""vToken: token-level KV-cache eviction for vLLM that hands freed blocks back to the block pool.
+
+The core (this package, except ``vtoken.integrations``) never imports vllm.
+"""
+
+__version__ = "0.1.0"

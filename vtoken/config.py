@@ -1,0 +1,239 @@
+"""vToken configuration: what `--additional-config '{"vtoken": {...}}'` accepts.
+
+The same model validates the engine-wide config (at start-up) and the per-request
+overrides (`SamplingParams.extra_args` / OpenAI `vllm_xargs`). Errors name the
+field, the value and what is allowed, so the integration can turn them into a
+start-up error or an HTTP 400 without a traceback from deep inside vLLM.
+
+This module never imports vllm.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "VTokenConfig",
+    "RequestOverrides",
+    "VTokenConfigError",
+    "parse_config",
+    "parse_request_overrides",
+    "effective_budget",
+    "num_to_evict",
+]
+
+
+class VTokenConfigError(ValueError):
+    """A vToken option has a bad value. The message names the field, the value and what is allowed."""
+
+
+def _format_validation_error(prefix: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        val = e.get("input")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{prefix}.{loc} = {val!r}: {msg}")
+    return "; ".join(lines)
+
+
+def _known_policies() -> list[str]:
+    from vtoken.policies import available_policies
+
+    return sorted(available_policies())
+
+
+class VTokenConfig(BaseModel):
+    """Engine-wide vToken settings (the `vtoken` key of vLLM's `additional_config`).
+
+    Budget semantics: a request whose live (physical) token count exceeds
+    ``budget + slack`` after a step is evicted down to ``budget`` before the next
+    step (``slack = 0``: evict every step once full). With ``budget_ratio`` set the
+    budget is ``ceil(budget_ratio * prompt_len)`` per request, clamped from below to
+    ``sink_tokens + recent_tokens``.
+
+    Protections (tokens): the first ``sink_tokens`` logical positions (attention
+    sinks) and the ``recent_tokens`` most recent live tokens are never evicted.
+    ``None`` means the policy's own default (see each policy's docstring).
+    ``sink_tokens + recent_tokens`` must not exceed ``budget``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["vtoken", "naive"] = Field(
+        "vtoken",
+        description="vtoken: repack and free emptied blocks; naive: Naive-Evict baseline "
+        "(same decisions; a block is freed only when every token ever placed in it is dead).",
+    )
+    policy: str = Field("h2o", description="eviction policy name (entry point group vtoken.policies)")
+    budget: int = Field(256, ge=1, description="KV budget per request, in tokens")
+    budget_ratio: Optional[float] = Field(
+        None, gt=0.0, le=1.0, description="budget as a fraction of the prompt length (overrides budget)"
+    )
+    slack: Optional[int] = Field(None, ge=0, description="tokens over budget tolerated before evicting; None = policy default")
+    sink_tokens: Optional[int] = Field(None, ge=0, description="attention sinks kept (first logical positions)")
+    recent_tokens: Optional[int] = Field(None, ge=0, description="most recent tokens kept")
+    seed: int = Field(0, description="seed of the random policy")
+    policy_args: dict[str, Any] = Field(default_factory=dict, description="policy-specific parameters")
+    score_every: int = Field(1, ge=1, description="compute attention scores every k decode steps")
+    log_stats: bool = Field(True, description="log a one-line vToken summary with vLLM's stats")
+
+    @model_validator(mode="after")
+    def _check(self) -> "VTokenConfig":
+        known = _known_policies()
+        if self.policy not in known:
+            raise ValueError(f"vtoken.policy = {self.policy!r}: unknown policy; allowed: {known}")
+        # Build the policy once so that its own checks (policy_args, protections) run now.
+        self.make_policy()
+        sinks, recent = self.protections()
+        if self.budget_ratio is None and sinks + recent > self.budget:
+            raise ValueError(
+                f"vtoken.sink_tokens + vtoken.recent_tokens = {sinks} + {recent} = {sinks + recent} "
+                f"exceeds vtoken.budget = {self.budget}; allowed: sink_tokens + recent_tokens <= budget"
+            )
+        return self
+
+    def make_policy(self):
+        """Instantiate the configured :class:`~vtoken.policies.base.EvictionPolicy`.
+
+        Raises:
+            ValueError: bad ``policy_args`` (names the argument and what is allowed).
+        """
+        from vtoken.policies import get_policy_class
+
+        cls = get_policy_class(self.policy)
+        return cls.from_config(self)
+
+    def protections(self, budget: Optional[int] = None) -> tuple[int, int]:
+        """(sink_tokens, recent_tokens) after applying the policy defaults, in tokens."""
+        from vtoken.policies import get_policy_class
+
+        cls = get_policy_class(self.policy)
+        b = self.budget if budget is None else budget
+        sinks = cls.default_sink_tokens(b) if self.sink_tokens is None else self.sink_tokens
+        recent = cls.default_recent_tokens(b) if self.recent_tokens is None else self.recent_tokens
+        return sinks, recent
+
+    def resolved_slack(self) -> int:
+        """Pacing slack in tokens after applying the policy default."""
+        from vtoken.policies import get_policy_class
+
+        if self.slack is not None:
+            return self.slack
+        return get_policy_class(self.policy).default_slack(self.budget)
+
+
+class RequestOverrides(BaseModel):
+    """Per-request overrides, read from ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``).
+
+    Keys: ``vtoken_enable`` (bool; false turns eviction off for this request),
+    ``vtoken_budget`` (int tokens >= 1), ``vtoken_policy`` (a registered policy name).
+    Other ``extra_args`` keys are ignored (they may belong to someone else).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    vtoken_enable: bool = True
+    vtoken_budget: Optional[int] = Field(None, ge=1)
+    vtoken_policy: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "RequestOverrides":
+        if self.vtoken_policy is not None:
+            known = _known_policies()
+            if self.vtoken_policy not in known:
+                raise ValueError(f"vtoken_policy = {self.vtoken_policy!r}: unknown policy; allowed: {known}")
+        return self
+
+    def apply(self, base: VTokenConfig) -> VTokenConfig:
+        """The engine config with this request's overrides applied.
+
+        Raises:
+            VTokenConfigError: the combination is invalid (e.g. budget below the protections).
+        """
+        upd: dict[str, Any] = {}
+        if self.vtoken_budget is not None:
+            upd["budget"] = self.vtoken_budget
+            upd["budget_ratio"] = None
+        if self.vtoken_policy is not None and self.vtoken_policy != base.policy:
+            upd["policy"] = self.vtoken_policy
+            upd["policy_args"] = {}
+        if not upd:
+            return base
+        data = base.model_dump()
+        data.update(upd)
+        try:
+            return VTokenConfig(**data)
+        except ValidationError as e:
+            raise VTokenConfigError(_format_validation_error("vllm_xargs", e)) from None
+
+
+def parse_config(raw: Any) -> VTokenConfig:
+    """Validate the ``vtoken`` value of ``additional_config``.
+
+    Args:
+        raw: a dict (or a JSON string of one).
+
+    Raises:
+        VTokenConfigError: names each bad field, its value and what is allowed.
+    """
+    if isinstance(raw, str):
+        import json
+
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise VTokenConfigError(f"additional_config.vtoken = {raw!r}: not valid JSON ({e})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise VTokenConfigError(
+            f"additional_config.vtoken = {raw!r}: expected an object such as {{\"policy\": \"h2o\", \"budget\": 256}}"
+        )
+    try:
+        return VTokenConfig(**raw)
+    except ValidationError as e:
+        raise VTokenConfigError(_format_validation_error("vtoken", e)) from None
+
+
+def parse_request_overrides(extra_args: Optional[dict]) -> RequestOverrides:
+    """Validate the vToken keys of a request's ``extra_args``.
+
+    Raises:
+        VTokenConfigError: names the field (``vllm_xargs.vtoken_budget`` ...) and what is allowed.
+    """
+    try:
+        return RequestOverrides(**(extra_args or {}))
+    except ValidationError as e:
+        raise VTokenConfigError(_format_validation_error("vllm_xargs", e)) from None
+
+
+def effective_budget(cfg: VTokenConfig, prompt_len: int) -> int:
+    """The budget in tokens for a request with ``prompt_len`` prompt tokens.
+
+    ``budget`` when ``budget_ratio`` is None; otherwise ``ceil(budget_ratio * prompt_len)``
+    clamped from below to ``sink_tokens + recent_tokens`` (and to 1).
+    """
+    if cfg.budget_ratio is None:
+        return cfg.budget
+    b = max(1, math.ceil(cfg.budget_ratio * prompt_len))
+    sinks, recent = cfg.protections(b)
+    return max(b, sinks + recent)
+
+
+def num_to_evict(num_live: int, budget: int, slack: int) -> int:
+    """Pacing: how many tokens to evict now.
+
+    Evict when ``num_live > budget + slack``, down to ``budget``; otherwise 0.
+
+    >>> num_to_evict(10, 8, 0), num_to_evict(10, 8, 2), num_to_evict(11, 8, 2)
+    (2, 0, 3)
+    """
+    if num_live > budget + slack:
+        return num_live - budget
+    return 0

@@ -1,0 +1,262 @@
+"""The eviction-policy interface shared by the vLLM integration and the dense oracle.
+
+A policy sees one request at a time, through arrays indexed by **physical slot**
+``0..num_live-1`` (the request-relative slot; slot ``s`` lives in the request's
+block ``s // block_size`` at offset ``s % block_size``). Per-slot state (accumulated
+scores, history) lives in a :class:`SlotState` that moves with the tokens when the
+repack moves them (``apply_moves``) or when the dense oracle compacts its cache
+(``compact``).
+
+Decisions never depend on the slot order: protections are defined on logical
+positions, and ties in the score are broken by logical position (the older token,
+i.e. the smaller logical position, is evicted first). So vToken (permuted slots),
+Naive-Evict and the dense oracle (logical order) make identical decisions given
+identical scores.
+
+Attention statistics a policy may ask for (``needs``), each ``np.ndarray`` of
+``float64`` ``[num_live]`` indexed by slot, computed from the post-softmax attention
+probabilities averaged over all layers and all query heads:
+
+* ``col_sum``: for the query rows of this step (the prompt chunk at prefill, one row
+  at decode), the sum over rows of each key's probability (H2O's accumulated attention).
+* ``last_row``: the probabilities of the last query row of a step that samples a token
+  (the final prompt token at prefill, the decode token at decode) (TOVA, Scissorhands).
+
+Both include the keys written in the same step (the step's own tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vtoken.config import VTokenConfig
+
+__all__ = ["AttentionNeed", "AttentionStats", "SlotState", "TokenView", "EvictionPolicy"]
+
+
+class AttentionNeed(enum.Flag):
+    """What a policy needs from attention (see the module docstring)."""
+
+    NONE = 0
+    COL_SUM = enum.auto()
+    LAST_ROW = enum.auto()
+
+
+@dataclass
+class AttentionStats:
+    """One step's attention statistics for one request (see module docstring).
+
+    Attributes:
+        col_sum: float64 ``[num_keys]`` or None when not requested.
+        last_row: float64 ``[num_keys]`` or None when the step sampled no token
+            (a non-final prefill chunk) or when not requested.
+    """
+
+    col_sum: Optional[np.ndarray] = None
+    last_row: Optional[np.ndarray] = None
+
+
+class SlotState:
+    """Per-slot arrays of one request's policy state; the last axis is the physical slot.
+
+    Arrays grow on demand (capacity doubles). Values of slots ``>= num_live`` are
+    undefined; ``reset_slots`` zeroes a range before new tokens use it.
+
+    Invariant: every array has the same capacity on its last axis.
+    """
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], np.dtype]], capacity: int = 64):
+        self._specs = {k: (tuple(lead), np.dtype(dt)) for k, (lead, dt) in specs.items()}
+        self.capacity = 0
+        self.arrays: dict[str, np.ndarray] = {}
+        self.extra: dict[str, Any] = {}  # scalar per-request policy state (e.g. ring index)
+        self.ensure_capacity(capacity)
+
+    def ensure_capacity(self, n: int) -> None:
+        """Make room for slots ``0..n-1`` (amortised O(1) per slot)."""
+        if n <= self.capacity:
+            return
+        cap = max(n, 2 * self.capacity, 16)
+        for k, (lead, dt) in self._specs.items():
+            new = np.zeros(lead + (cap,), dtype=dt)
+            if k in self.arrays:
+                new[..., : self.capacity] = self.arrays[k]
+            self.arrays[k] = new
+        self.capacity = cap
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.arrays[key]
+
+    def reset_slots(self, start: int, stop: int) -> None:
+        """Zero slots ``[start, stop)`` in every array (new tokens start with no history)."""
+        self.ensure_capacity(stop)
+        for a in self.arrays.values():
+            a[..., start:stop] = 0
+
+    def apply_moves(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy each array's ``src`` slots to ``dst`` slots (gather, then scatter).
+
+        Args:
+            src, dst: int64 ``[num_moves]`` request-relative slots, as planned by
+                :func:`vtoken.repack.plan_repack` (disjoint sets).
+        """
+        if len(src) == 0:
+            return
+        for a in self.arrays.values():
+            a[..., dst] = a[..., src]
+
+    def compact(self, keep: np.ndarray) -> None:
+        """Keep slots ``keep`` (int64 ``[k]``, ascending) and pack them into ``0..k-1``.
+
+        Used by the dense oracle, whose cache stays in logical order.
+        """
+        k = len(keep)
+        for a in self.arrays.values():
+            a[..., :k] = a[..., keep]
+
+
+@dataclass
+class TokenView:
+    """What a policy sees of one request when it selects victims.
+
+    Attributes:
+        logical_pos: int64 ``[num_live]``: logical position of the token in each slot.
+        num_logical: tokens ever appended to this request (prompt + generated so far
+            whose KV is cached).
+        prompt_len: number of prompt tokens (for ratio budgets and prefill-only policies).
+    """
+
+    logical_pos: np.ndarray
+    num_logical: int
+    prompt_len: int
+
+    @property
+    def num_live(self) -> int:
+        return int(self.logical_pos.shape[0])
+
+
+@dataclass
+class EvictionPolicy(ABC):
+    """Base class: subclasses score tokens, the base class selects victims.
+
+    Subclasses set ``name`` and ``needs``, define their per-slot state in
+    ``state_specs``, update it in ``observe`` and return a keep-score in ``score``
+    (higher = keep). :meth:`select_victims` applies the protections (attention
+    sinks, recent window) and the tie-break (lower score first, then smaller
+    logical position) and is the same for every policy.
+
+    Attributes:
+        sink_tokens: number of first logical positions never evicted.
+        recent_tokens: number of most recent live tokens never evicted.
+        seed: seed for randomised policies.
+    """
+
+    name: ClassVar[str] = "base"
+    needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
+
+    sink_tokens: int = 0
+    recent_tokens: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sink_tokens < 0 or self.recent_tokens < 0:
+            raise ValueError(
+                f"{self.name}: sink_tokens={self.sink_tokens}, recent_tokens={self.recent_tokens}; allowed: >= 0"
+            )
+
+    # ----- defaults (class-level; the config layer asks these) -----
+    @classmethod
+    def default_sink_tokens(cls, budget: int) -> int:
+        """Attention sinks kept when the config leaves ``sink_tokens`` unset, in tokens."""
+        return 0
+
+    @classmethod
+    def default_recent_tokens(cls, budget: int) -> int:
+        """Recent window kept when the config leaves ``recent_tokens`` unset, in tokens."""
+        return 0
+
+    @classmethod
+    def default_slack(cls, budget: int) -> int:
+        """Pacing slack (tokens over budget before evicting) when the config leaves it unset."""
+        return 0
+
+    @classmethod
+    def from_config(cls, cfg: "VTokenConfig", budget: Optional[int] = None) -> "EvictionPolicy":
+        """Build the policy from a :class:`~vtoken.config.VTokenConfig`.
+
+        Raises:
+            ValueError: an unknown or bad entry in ``cfg.policy_args``.
+        """
+        sinks, recent = cfg.protections(budget)
+        import dataclasses
+
+        allowed = {f.name for f in dataclasses.fields(cls)} - {"sink_tokens", "recent_tokens", "seed"}
+        for k in cfg.policy_args:
+            if k not in allowed:
+                raise ValueError(
+                    f"vtoken.policy_args.{k} = {cfg.policy_args[k]!r}: unknown argument for policy "
+                    f"{cls.name!r}; allowed: {sorted(allowed)}"
+                )
+        return cls(sink_tokens=sinks, recent_tokens=recent, seed=cfg.seed, **cfg.policy_args)
+
+    # ----- per-request state -----
+    def state_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Per-slot arrays: name -> (leading shape, dtype). Default: none."""
+        return {}
+
+    def init_state(self) -> SlotState:
+        """A fresh per-request state."""
+        return SlotState(self.state_specs())
+
+    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
+        """Fold one step's attention statistics into the state.
+
+        Called after each forward step that wrote tokens for this request, with
+        ``num_live`` = live tokens after the step (keys that the stats cover).
+        Slots written in this step were zeroed with ``reset_slots`` beforehand.
+        """
+
+    @abstractmethod
+    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
+        """Keep-score per slot, float64 ``[num_live]``; higher = more worth keeping."""
+
+    # ----- selection (shared) -----
+    def protected_mask(self, view: TokenView) -> np.ndarray:
+        """bool ``[num_live]``: slots holding sinks or recent tokens."""
+        pos = view.logical_pos
+        prot = pos < self.sink_tokens
+        if self.recent_tokens > 0:
+            n = view.num_live
+            if self.recent_tokens >= n:
+                prot[:] = True
+            else:
+                # the recent_tokens largest logical positions among live tokens
+                cutoff = np.partition(pos, n - self.recent_tokens)[n - self.recent_tokens]
+                prot |= pos >= cutoff
+        return prot
+
+    def select_victims(self, state: SlotState, view: TokenView, num_to_evict: int) -> np.ndarray:
+        """Slots to evict, int64 ``[num_to_evict]`` (ascending).
+
+        Victims are the unprotected slots with the lowest ``score``; ties go to the
+        smaller logical position. If fewer unprotected tokens exist than asked for,
+        all unprotected tokens are evicted (the request then holds more than its
+        budget; the config layer rejects ``sink_tokens + recent_tokens > budget``).
+        """
+        if num_to_evict <= 0:
+            return np.zeros(0, dtype=np.int64)
+        n = view.num_live
+        scores = np.asarray(self.score(state, view), dtype=np.float64)
+        assert scores.shape == (n,), (scores.shape, n)
+        cand = np.flatnonzero(~self.protected_mask(view))
+        if len(cand) == 0:
+            return np.zeros(0, dtype=np.int64)
+        order = np.lexsort((view.logical_pos[cand], scores[cand]))
+        victims = cand[order[:num_to_evict]]
+        return np.sort(victims).astype(np.int64)
