@@ -33,6 +33,13 @@ class VTokenConfigError(ValueError):
 def _format_validation_error(prefix: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
+        if not e["loc"] and e["type"] == "value_error":
+            # A model_validator's ValueError: its message already names the field(s),
+            # the value and what is allowed; print just that.
+            ctx_err = (e.get("ctx") or {}).get("error")
+            msg = str(ctx_err) if ctx_err is not None else e["msg"].removeprefix("Value error, ")
+            lines.append(msg)
+            continue
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         val = e.get("input")
         msg = e["msg"]
@@ -59,7 +66,8 @@ class VTokenConfig(BaseModel):
 
     Protections (tokens): the first ``sink_tokens`` logical positions (attention
     sinks) and the ``recent_tokens`` most recent live tokens are never evicted.
-    ``None`` means the policy's own default (see each policy's docstring).
+    ``None`` means the policy's own default (see each policy's docstring); a
+    defaulted ``recent_tokens`` is clamped to ``budget - sink_tokens``.
     ``sink_tokens + recent_tokens`` must not exceed ``budget``.
     """
 
@@ -116,7 +124,11 @@ class VTokenConfig(BaseModel):
         cls = get_policy_class(self.policy)
         b = self.budget if budget is None else budget
         sinks = cls.default_sink_tokens(b) if self.sink_tokens is None else self.sink_tokens
-        recent = cls.default_recent_tokens(b) if self.recent_tokens is None else self.recent_tokens
+        if self.recent_tokens is None:
+            # A defaulted recent window yields to explicitly set sinks (never below 0).
+            recent = min(cls.default_recent_tokens(b), max(0, b - sinks))
+        else:
+            recent = self.recent_tokens
         return sinks, recent
 
     def resolved_slack(self) -> int:

@@ -141,6 +141,13 @@ class TokenView:
         return int(self.logical_pos.shape[0])
 
 
+def check_int_field(policy: str, field_name: str, value: Any, minimum: int) -> None:
+    """Raise ``ValueError`` naming the field, the value and what is allowed unless
+    ``value`` is an integer (not a bool) ``>= minimum``. For policies' ``__post_init__``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{policy}: {field_name} = {value!r}; allowed: an integer >= {minimum}")
+
+
 @dataclass
 class EvictionPolicy(ABC):
     """Base class: subclasses score tokens, the base class selects victims.
@@ -165,10 +172,10 @@ class EvictionPolicy(ABC):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.sink_tokens < 0 or self.recent_tokens < 0:
-            raise ValueError(
-                f"{self.name}: sink_tokens={self.sink_tokens}, recent_tokens={self.recent_tokens}; allowed: >= 0"
-            )
+        check_int_field(self.name, "sink_tokens", self.sink_tokens, 0)
+        check_int_field(self.name, "recent_tokens", self.recent_tokens, 0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise ValueError(f"{self.name}: seed = {self.seed!r}; allowed: an integer")
 
     # ----- defaults (class-level; the config layer asks these) -----
     @classmethod

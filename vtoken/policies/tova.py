@@ -1,0 +1,60 @@
+"""TOVA: Token Omission Via Attention (Oren et al., arXiv 2401.06104)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, SlotState, TokenView
+
+__all__ = ["TOVAPolicy"]
+
+
+@dataclass
+class TOVAPolicy(EvictionPolicy):
+    """TOVA, "Token Omission Via Attention" (Oren et al., "Transformers are
+    Multi-State RNNs", arXiv 2401.06104, Sec. 3.3).
+
+    Idea: treat the cache as a bounded multi-state RNN; when it is full, drop the
+    token that the current (last) query attends to least. In steady state this
+    drops one token per step.
+
+    Score: ``last``, the attention row of the last query of the most recent step that
+    sampled a token (``stats.last_row``: post-softmax probabilities averaged over
+    query heads and layers). Each such step overwrites it; a step without a last row
+    (a non-final prefill chunk) leaves it unchanged, and tokens written in that step
+    score 0 until the next last row arrives.
+
+    Defaults: no protections (``sink_tokens = 0``, ``recent_tokens = 0``), as the
+    paper; ``slack = 0`` (evict as soon as the cache exceeds the budget).
+
+    Needs: ``AttentionNeed.LAST_ROW``.
+
+    Departures from the paper:
+
+    * One token set for the whole request, shared by all layers (and, as in the
+      paper, all heads of a layer): the row is averaged over layers as well as
+      query heads, because vToken frees whole blocks holding every layer's KV for
+      the same tokens; the paper keeps a separate set per layer.
+    * Ties go to the smaller logical position (evicted first).
+    """
+
+    name: ClassVar[str] = "tova"
+    needs: ClassVar[AttentionNeed] = AttentionNeed.LAST_ROW
+
+    def state_specs(self):
+        return {"last": ((), np.dtype(np.float64))}
+
+    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
+        if stats.last_row is None:
+            return
+        row = np.asarray(stats.last_row, dtype=np.float64)
+        if row.shape != (num_live,):
+            raise ValueError(f"tova: last_row has shape {row.shape}; expected ({num_live},)")
+        state.ensure_capacity(num_live)
+        state["last"][:num_live] = row
+
+    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
+        return state["last"][: view.num_live].copy()
