@@ -1,0 +1,137 @@
+"""Token addressing inside vLLM's CPU KV-cache layout: probe, move, gather.
+
+vLLM's CPU attention backend stores each layer as ``[num_blocks, num_kv_heads,
+block_size, 2 * head_size]``; each (block, head) holds a K region of
+``block_size * head_size`` elements followed by a V region, and the interior of each
+region is packed for the kernel's ISA (``vec``: K transposed; ``amx``: pairs
+interleaved). In every case a token's elements are a fixed permutation *within one
+block*, so a token is addressed by two index maps ``idx_k[offset, dim]`` and
+``idx_v[offset, dim]`` into the K and V regions.
+
+The maps are **probed**, not hard-coded: once per (dtype, isa, block_size, head_size)
+we write known values through the upstream packing op
+(``vllm._custom_ops.cpu_attn_reshape_and_cache``, patches/ entry
+``vllm._custom_ops.cpu_attn_reshape_and_cache``) into a scratch block and read back
+where each (offset, dim) landed. A self-check at start-up round-trips random tokens.
+
+Example (block size 4, one head, ``vec`` K layout, head_size 2)::
+
+    K region (8 elements):  [k0d0 k1d0 k2d0 k3d0 | k0d1 k1d1 k2d1 k3d1]
+    idx_k = [[0, 4], [1, 5], [2, 6], [3, 7]]   # idx_k[offset, dim]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = ["TokenLayout", "probe_cpu_layout", "move_tokens_cpu", "gather_keys_cpu"]
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where a token's K and V elements sit inside one (block, head) region.
+
+    Attributes:
+        idx_k: int64 ``[block_size, head_size]``: flat index in the K region.
+        idx_v: int64 ``[block_size, head_size]``: flat index in the V region.
+    """
+
+    idx_k: torch.Tensor
+    idx_v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.idx_k.shape[0])
+
+
+@lru_cache(maxsize=None)
+def probe_cpu_layout(dtype: torch.dtype, isa: str, block_size: int, head_size: int, num_kv_heads: int = 1) -> TokenLayout:
+    """Probe the packed CPU layout by writing known values through vLLM's packing op.
+
+    Three probes, each writing small integers exactly representable in bf16:
+    the token offset + 1, ``dim % 128 + 1`` and ``dim // 128 + 1``.
+
+    Raises:
+        RuntimeError: the probe did not find a bijection (an unsupported layout).
+    """
+    from vllm import _custom_ops as ops
+
+    if block_size > 255:
+        raise RuntimeError(f"vToken's layout probe supports block_size <= 255, got {block_size}")
+    H, bs, hd = num_kv_heads, block_size, head_size
+    off = torch.arange(bs).view(bs, 1, 1).expand(bs, H, hd)
+    dim = torch.arange(hd).view(1, 1, hd).expand(bs, H, hd)
+    slots = torch.arange(bs, dtype=torch.int64)
+
+    def run(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.zeros(1, H, 2 * bs, hd, dtype=dtype)
+        kc, vc = cache.chunk(2, dim=2)
+        v = vals.to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(v, v, kc, vc, slots, isa)
+        flat = cache.view(1, H, 2, bs * hd)[0, 0]
+        return flat[0].float().round().long(), flat[1].float().round().long()
+
+    ko, vo = run(off + 1)
+    kd0, vd0 = run(dim % 128 + 1)
+    kd1, vd1 = run(dim // 128 + 1)
+    maps = []
+    for o_vals, d0, d1 in ((ko, kd0, kd1), (vo, vd0, vd1)):
+        idx = torch.full((bs, hd), -1, dtype=torch.int64)
+        o = o_vals - 1
+        d = (d1 - 1) * 128 + (d0 - 1)
+        ok = (o >= 0) & (o < bs) & (d >= 0) & (d < hd)
+        if int(ok.sum()) != bs * hd:
+            raise RuntimeError(f"CPU KV layout probe failed for dtype={dtype}, isa={isa}, block_size={bs}, head_size={hd}")
+        idx[o, d] = torch.arange(bs * hd)
+        if int((idx < 0).sum()) != 0:
+            raise RuntimeError(f"CPU KV layout probe found no bijection (dtype={dtype}, isa={isa})")
+        maps.append(idx)
+    return TokenLayout(idx_k=maps[0], idx_v=maps[1])
+
+
+def _regions(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V region views ``[num_blocks, block_size*head_size, num_kv_heads]`` of a layer."""
+    nb, H, bs, two_hd = kv_cache.shape
+    flat = kv_cache.view(nb, H, 2, bs * (two_hd // 2))
+    return flat[:, :, 0, :].permute(0, 2, 1), flat[:, :, 1, :].permute(0, 2, 1)
+
+
+def move_tokens_cpu(kv_cache: torch.Tensor, layout: TokenLayout, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Move tokens inside one layer's CPU KV cache, in place (gather all, then scatter).
+
+    Args:
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2*head_size]``, any dtype; mutated.
+        layout: the probed :class:`TokenLayout` for this layer.
+        src, dst: int64 ``[M]`` global slot ids (``block_id * block_size + offset``); disjoint.
+    """
+    if src.numel() == 0:
+        return
+    bs = layout.block_size
+    kr, vr = _regions(kv_cache)
+    sb, so = src // bs, src % bs
+    db, do = dst // bs, dst % bs
+    for region, idx in ((kr, layout.idx_k), (vr, layout.idx_v)):
+        vals = region[sb[:, None], idx[so]]  # [M, hd, H] (a copy: gather first)
+        region[db[:, None], idx[do]] = vals
+
+
+def gather_keys_cpu(kv_cache: torch.Tensor, layout: TokenLayout, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Keys of a request's physical slots ``0..num_tokens-1``.
+
+    Args:
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2*head_size]``.
+        block_ids: int64 ``[>= cdiv(num_tokens, block_size)]``: the request's block-table row.
+        num_tokens: physical sequence length (live tokens, including this step's).
+
+    Returns:
+        float32 ``[num_kv_heads, num_tokens, head_size]``.
+    """
+    bs = layout.block_size
+    kr, _ = _regions(kv_cache)
+    s = torch.arange(num_tokens)
+    b = block_ids[s // bs]
+    k = kr[b[:, None], layout.idx_k[s % bs]]  # [n, hd, H]
+    return k.permute(2, 0, 1).float()

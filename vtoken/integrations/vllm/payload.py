@@ -1,0 +1,60 @@
+"""Per-step data exchanged between the vToken scheduler and the vToken model runner.
+
+Scheduler -> worker: :class:`StepPayload`, attached as ``SchedulerOutput.vtoken``
+(a dynamic attribute; ``SchedulerOutput`` is a plain dataclass that the ``mp``
+executor pickles with its ``__dict__``; patches/ entry ``vllm.v1.core.sched.output.SchedulerOutput``).
+Worker -> scheduler: ``ModelRunnerOutput.vtoken_scores`` (dict, see :data:`ScoreMap`).
+
+Only diffs travel: the moves and block-table truncations of this step, and the
+offsets that changed. ``None`` (no attribute) means nothing to do: the stock path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["StepPayload", "ScoreMap"]
+
+#: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot.
+ScoreMap = dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]
+
+
+@dataclass
+class StepPayload:
+    """What the worker must do for vToken in this step, **before any KV write of the step**.
+
+    Worker order: (1) apply ``moves`` to every layer (they may read blocks freed in
+    this step and already handed to another request: reading before writing keeps
+    that safe); (2) truncate block-table rows per ``truncate``; (3) record
+    ``offsets``; then the stock ``_update_states`` appends this step's new blocks.
+
+    Attributes:
+        src, dst: int64 ``[M]`` global slot ids (``block_id * block_size + offset``)
+            of all token moves of this step, every request concatenated; disjoint.
+        truncate: req_id -> number of blocks the request keeps (a prefix of its row).
+        offsets: req_id -> new offset (logical tokens minus live tokens); 0 resets.
+        scores: req_id -> ``AttentionNeed`` value (int) of the statistics to compute
+            for that request in this step.
+    """
+
+    src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    truncate: dict[str, int] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)
+    scores: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_moves(self) -> int:
+        return int(self.src.shape[0])
+
+    def is_empty(self) -> bool:
+        return not (self.num_moves or self.truncate or self.offsets or self.scores)
+
+    def __repr__(self) -> str:  # counts only, never token data
+        return (
+            f"StepPayload(moves={self.num_moves}, truncate={len(self.truncate)}, "
+            f"offsets={len(self.offsets)}, scores={len(self.scores)})"
+        )
