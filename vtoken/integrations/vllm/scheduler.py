@@ -22,7 +22,9 @@ request re-prefills all its logical tokens from scratch and is evicted again).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -40,6 +42,7 @@ from vtoken.config import (
     parse_config,
     parse_request_overrides,
 )
+from vtoken.integrations.vllm.metrics import VTokenMetrics
 from vtoken.integrations.vllm.payload import StepPayload
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, SlotState, TokenView
 from vtoken.repack import NaiveEvictCounter
@@ -66,6 +69,9 @@ class RequestState:
     table: TokenTable
     naive: NaiveEvictCounter
     prompt_len: int
+    #: set once a step sampled a token (prefill or re-prefill after preemption complete);
+    #: eviction starts only then, as in the dense oracle.
+    decoding: bool = False
     # lifetime accounting (for retained-blocks figures)
     steps: int = 0
     held_block_steps: int = 0
@@ -146,6 +152,13 @@ class VTokenScheduler(Scheduler):
         self._vt_offset_updates: dict[str, int] = {}
         self._vt_policy_cache: dict[tuple, EvictionPolicy] = {}
         self.vt_stats = VTokenStats()
+        self._vt_metrics = VTokenMetrics.from_vllm_config(self.vllm_config).attach(self)
+        # Debug aids (tests, soak): VTOKEN_CHECK=1 checks the invariants after every
+        # schedule(); VTOKEN_TRACE=<path> appends one JSON line per step.
+        self._vt_check = os.environ.get("VTOKEN_CHECK", "0") not in ("", "0")
+        trace = os.environ.get("VTOKEN_TRACE")
+        self._vt_trace = open(trace, "a", buffering=1) if trace else None
+        self._vt_step_no = 0
         #: finished requests' lifetime figures (bounded; read by benchmarks through collective RPC-free stats)
         self.vt_finished: list[dict[str, Any]] = []
 
@@ -222,7 +235,7 @@ class VTokenScheduler(Scheduler):
         t0 = time.perf_counter()
         for req in self.running:
             st = self._vt_state(req)
-            if st is None or req.num_computed_tokens < req.num_prompt_tokens:
+            if st is None or not st.decoding:
                 continue
             k = num_to_evict(st.table.num_live, st.budget, st.slack)
             if k > 0:
@@ -254,7 +267,61 @@ class VTokenScheduler(Scheduler):
             self._vt_offset_updates = {}
         out.vtoken = None if payload.is_empty() else payload
         self._vt_update_gauges()
+        self._vt_metrics.update(self.vt_stats)
+        self._vt_step_no += 1
+        if self._vt_check:
+            self.vt_check_invariants(out)
+        if self._vt_trace is not None:
+            self._vt_write_trace(out, payload)
         return out
+
+    def vt_expected_blocks(self, st: RequestState) -> int:
+        """Blocks a scheduled request must hold after schedule(): ceil(live/B) under vToken
+        (live includes this step's tokens, so this covers the block the next token needs),
+        or max(that, Naive-Evict's retained blocks) under ``naive``."""
+        return self._vt_target_blocks(st)
+
+    def vt_check_invariants(self, out=None) -> None:
+        """Check block accounting and ownership (O(total blocks); tests and soak only).
+
+        Raises:
+            AssertionError: naming the request and the broken invariant.
+        """
+        pool = self.kv_cache_manager.block_pool
+        owners: dict[int, str] = {}
+        held = 0
+        for rid, blocks in self._vt_mgr.req_to_blocks.items():
+            for b in blocks:
+                assert b.block_id not in owners, f"block {b.block_id} owned by {owners[b.block_id]} and {rid}"
+                assert b.ref_cnt == 1, f"block {b.block_id} of {rid} has ref_cnt {b.ref_cnt}"
+                owners[b.block_id] = rid
+            held += len(blocks)
+        free = pool.get_num_free_blocks()
+        assert free + held == pool.num_gpu_blocks - 1, (
+            f"block leak: free {free} + held {held} != pool {pool.num_gpu_blocks} - 1 (null block)"
+        )
+        scheduled = out.num_scheduled_tokens if out is not None else {}
+        for rid, st in self._vt_states.items():
+            st.table.check_invariants()
+            if rid in scheduled:
+                n = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+                exp = self.vt_expected_blocks(st)
+                assert n == exp, (
+                    f"{rid}: holds {n} blocks, expected {exp} (mode={st.cfg.mode}, live={st.table.num_live}, "
+                    f"logical={st.table.num_logical}, naive={st.naive.num_retained_blocks})"
+                )
+
+    def _vt_write_trace(self, out, payload: StepPayload) -> None:
+        reqs = {}
+        for rid in out.num_scheduled_tokens:
+            st = self._vt_states.get(rid)
+            if st is None:
+                continue
+            reqs[rid] = [st.table.num_live, st.table.num_logical, len(self._vt_mgr.req_to_blocks.get(rid, ())),
+                         st.naive.num_retained_blocks, self.vt_expected_blocks(st)]
+        rec = dict(step=self._vt_step_no, free=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                   moves=payload.num_moves, reqs=reqs)
+        self._vt_trace.write(json.dumps(rec) + "\n")
 
     def _vt_evict(self, rid: str, st: RequestState, k: int, payload: StepPayload,
                   srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
@@ -291,23 +358,26 @@ class VTokenScheduler(Scheduler):
 
     # ------------------------------------------------------------------ feedback
     def update_from_output(self, scheduler_output, model_runner_output):
-        scores = getattr(model_runner_output, "vtoken_scores", None)
-        if scores:
-            for rid, (col_sum, last_row) in scores.items():
-                st = self._vt_states.get(rid)
-                req = self.requests.get(rid)
-                if st is None or req is None:
-                    continue
-                n = st.table.num_live
-                if (col_sum is not None and len(col_sum) != n) or (last_row is not None and len(last_row) != n):
-                    raise AssertionError(
-                        f"vToken: scores for {rid} cover {len(col_sum if col_sum is not None else last_row)} slots, "
-                        f"table holds {n} live tokens"
-                    )
-                if req.num_computed_tokens < req.num_prompt_tokens:
-                    last_row = None  # a non-final prefill chunk samples no token
-                view = TokenView(st.table.logical_pos, st.table.num_logical, st.prompt_len)
-                st.policy.observe(st.pstate, n, AttentionStats(col_sum=col_sum, last_row=last_row), view)
+        scores = getattr(model_runner_output, "vtoken_scores", None) or {}
+        for rid in scheduler_output.num_scheduled_tokens:
+            st = self._vt_states.get(rid)
+            req = self.requests.get(rid)
+            if st is None or req is None:
+                continue
+            # This step sampled a token iff every token now has KV: the (re-)prefill is complete.
+            sampled = req.num_computed_tokens >= req.num_tokens
+            st.decoding |= sampled
+            if rid not in scores:
+                continue
+            col_sum, last_row = scores[rid]
+            n = st.table.num_live
+            for name, arr in (("col_sum", col_sum), ("last_row", last_row)):
+                if arr is not None and len(arr) != n:
+                    raise AssertionError(f"vToken: {name} for {rid} covers {len(arr)} slots, table holds {n} live tokens")
+            if not sampled:
+                last_row = None  # a non-final prefill chunk samples no token
+            view = TokenView(st.table.logical_pos, st.table.num_logical, st.prompt_len)
+            st.policy.observe(st.pstate, n, AttentionStats(col_sum=col_sum, last_row=last_row), view)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     # ------------------------------------------------------------------ free / preempt

@@ -1,0 +1,149 @@
+"""vToken inside a real vLLM engine (CPU), against the dense oracle and stock vLLM.
+
+Engines are expensive (~10-30 s each), so each fixture runs one engine over a whole
+batch of requests in a subprocess (``vtoken.integrations.vllm.harness``) and the tests
+read its output. Every vToken run has ``VTOKEN_CHECK=1``: after every schedule() the
+scheduler asserts that each scheduled request holds exactly ceil(live/B) blocks
+(vtoken) or the Naive-Evict count (naive), that no block is owned twice and that
+free + held blocks == pool size; a violation fails the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from vtoken.assets.paths import ensure_tiny_model
+from vtoken.config import parse_config, parse_request_overrides
+from vtoken.integrations.vllm.harness import run_in_subprocess
+
+pytestmark = pytest.mark.engine
+
+POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming"]
+BUDGETS = [29, 45, 64]  # not multiples of the block size (32) except 64
+BLOCK = 32
+NEW_TOKENS = 64
+BASE_VTOKEN = {"policy": "h2o", "budget": 45}
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    # byte-range ids (the tiny tokenizer's real tokens), deterministic, varied
+    return [((i + 3) * 37 + j * (11 + i % 5)) % 250 + 1 for j in range(n)]
+
+
+def _engine(model: str, **kw) -> dict:
+    e = dict(model=model, dtype="float32", max_model_len=1024, block_size=BLOCK, enforce_eager=True,
+             gpu_memory_utilization=0.1, num_gpu_blocks_override=512, skip_tokenizer_init=True)
+    e.update(kw)
+    return e
+
+
+def _eviction_requests() -> list[dict]:
+    """policy x budget x {shorter, longer than the budget}: one mixed batch."""
+    reqs = []
+    for k, (pol, budget, plen) in enumerate(itertools.product(POLICIES, BUDGETS, [20, 100])):
+        reqs.append(dict(id=f"{pol}-{budget}-{plen}", prompt_token_ids=_prompt(k, plen), max_tokens=NEW_TOKENS,
+                         extra_args={"vtoken_policy": pol, "vtoken_budget": budget}))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def plain_requests() -> list[dict]:
+    return [dict(id=f"p{i}", prompt_token_ids=_prompt(i, n), max_tokens=NEW_TOKENS) for i, n in enumerate([5, 33, 70, 150])]
+
+
+@pytest.fixture(scope="module")
+def stock_run(tiny, plain_requests):
+    """vLLM with the plugin not loaded at all."""
+    return run_in_subprocess(dict(engine=_engine(tiny), vtoken=None, requests=plain_requests, check=False),
+                             env={"VLLM_PLUGINS": ""})
+
+
+@pytest.fixture(scope="module")
+def eviction_run(tiny):
+    return run_in_subprocess(dict(engine=_engine(tiny), vtoken=BASE_VTOKEN, requests=_eviction_requests()))
+
+
+@pytest.fixture(scope="module")
+def naive_run(tiny):
+    return run_in_subprocess(dict(engine=_engine(tiny), vtoken=dict(BASE_VTOKEN, mode="naive"),
+                                  requests=_eviction_requests()))
+
+
+def test_plugin_inert_without_vtoken_key(tiny, plain_requests, stock_run):
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=None, requests=plain_requests, check=False))
+    assert "vtoken" not in out  # the stock scheduler ran
+    assert out["tokens"] == stock_run["tokens"]
+
+
+def test_budget_above_every_length_is_stock(tiny, plain_requests, stock_run):
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken={"policy": "h2o", "budget": 100000}, requests=plain_requests))
+    assert out["vtoken"]["stats"]["evicted_tokens"] == 0
+    assert out["tokens"] == stock_run["tokens"]
+    assert len(out["tokens"]["p3"]) == NEW_TOKENS
+
+
+def test_eviction_matches_dense_oracle(tiny, eviction_run):
+    import torch
+
+    from vtoken.oracle import load_oracle_model, oracle_generate
+
+    torch.set_num_threads(2)
+    model = load_oracle_model(tiny)
+    base = parse_config(BASE_VTOKEN)
+    stats = eviction_run["vtoken"]["stats"]
+    assert stats["evicted_tokens"] > 0 and stats["moved_tokens"] > 0 and stats["freed_blocks"] > 0
+    mismatches = []
+    for r in _eviction_requests():
+        cfg = parse_request_overrides(r["extra_args"]).apply(base)
+        ref = oracle_generate(model, r["prompt_token_ids"], NEW_TOKENS, cfg)
+        got = eviction_run["tokens"][r["id"]]
+        assert len(got) == NEW_TOKENS
+        if got != list(ref.token_ids):
+            first = next(i for i, (a, b) in enumerate(zip(got, ref.token_ids)) if a != b)
+            mismatches.append(f"{r['id']}: first difference at token {first}")
+    assert not mismatches, mismatches
+
+
+def test_naive_mode_same_tokens_more_blocks(eviction_run, naive_run):
+    assert naive_run["tokens"] == eviction_run["tokens"]
+    v, n = eviction_run["vtoken"]["finished"], naive_run["vtoken"]["finished"]
+    avg_v = sum(f["avg_blocks"] for f in v) / len(v)
+    avg_n = sum(f["avg_blocks"] for f in n) / len(n)
+    assert avg_v < avg_n  # same decisions, Naive-Evict keeps partly dead blocks
+    for f in v:  # vToken ends each request at ceil(live/B) blocks (+1 for the unsampled next token at most)
+        assert f["evicted"] + f["num_live"] == f["num_logical"]
+
+
+@pytest.mark.parametrize("run_name", ["eviction_run", "naive_run"])
+def test_pool_free_count_returns(run_name, request):
+    out = request.getfixturevalue(run_name)
+    assert out["free_blocks_end"] == out["free_blocks_start"] == out["num_blocks"] - 1
+
+
+def test_aborts_and_preemption_lose_no_block(tiny):
+    """A pool of 10 blocks: an eviction-off request grows and preempts the vToken requests
+    admitted after it (they reset, re-prefill and are evicted again); aborts at several
+    phases (before prefill, mid-prefill of a long prompt, right after an eviction)."""
+    reqs = [dict(id="off", prompt_token_ids=_prompt(19, 40), max_tokens=200, extra_args={"vtoken_enable": False})]
+    reqs += [dict(id=f"q{i}", prompt_token_ids=_prompt(20 + i, 60 + 17 * i), max_tokens=80, arrive_at_step=1,
+                  extra_args={"vtoken_policy": POLICIES[i], "vtoken_budget": 40}) for i in range(4)]
+    reqs += [
+        dict(id="a-wait", prompt_token_ids=_prompt(40, 50), max_tokens=50, abort_after_steps=0),
+        dict(id="a-prefill", prompt_token_ids=_prompt(41, 250), max_tokens=50, abort_after_steps=1),
+        dict(id="a-evict", prompt_token_ids=_prompt(42, 90), max_tokens=50, abort_after_steps=4),
+    ]
+    out = run_in_subprocess(dict(engine=_engine(tiny, num_gpu_blocks_override=10, max_num_batched_tokens=128,
+                                                 max_model_len=288),
+                                 vtoken={"policy": "h2o", "budget": 40}, requests=reqs))
+    assert out["free_blocks_end"] == out["free_blocks_start"] == 9
+    assert out["finish"]["off"] == "length" and len(out["tokens"]["off"]) == 200
+    for r in reqs[1:5]:
+        assert out["finish"][r["id"]] == "length" and len(out["tokens"][r["id"]]) == 80
+    assert out["vtoken"]["stats"]["preemption_resets"] > 0
