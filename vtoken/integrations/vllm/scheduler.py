@@ -74,8 +74,12 @@ class RequestState:
     decoding: bool = False
     # lifetime accounting (for retained-blocks figures)
     steps: int = 0
-    held_block_steps: int = 0
+    held_block_steps: int = 0  # sum over scheduled steps of blocks held
     peak_blocks: int = 0
+    naive_block_steps: int = 0  # the same for Naive-Evict's retained blocks
+    naive_peak_blocks: int = 0
+    full_block_steps: int = 0  # the same with no eviction: ceil(logical/B)
+    full_peak_blocks: int = 0
     evicted: int = 0
     moved: int = 0
 
@@ -259,9 +263,15 @@ class VTokenScheduler(Scheduler):
             if st.policy.needs != AttentionNeed.NONE:
                 payload.scores[rid] = st.policy.needs.value
             held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            naive_b = max(st.naive.num_retained_blocks, _cdiv(st.table.num_live, self._vt_bs))
+            full_b = _cdiv(st.table.num_logical, self._vt_bs)
             st.steps += 1
             st.held_block_steps += held
             st.peak_blocks = max(st.peak_blocks, held)
+            st.naive_block_steps += naive_b
+            st.naive_peak_blocks = max(st.naive_peak_blocks, naive_b)
+            st.full_block_steps += full_b
+            st.full_peak_blocks = max(st.full_peak_blocks, full_b)
         if self._vt_offset_updates:
             payload.offsets = self._vt_offset_updates
             self._vt_offset_updates = {}
@@ -402,8 +412,16 @@ class VTokenScheduler(Scheduler):
             dict(
                 req_id=rid,
                 steps=st.steps,
+                mode=st.cfg.mode,
+                policy=st.cfg.policy,
+                budget=st.budget,
+                prompt_len=st.prompt_len,
                 avg_blocks=st.held_block_steps / max(st.steps, 1),
                 peak_blocks=st.peak_blocks,
+                naive_avg_blocks=st.naive_block_steps / max(st.steps, 1),
+                naive_peak_blocks=st.naive_peak_blocks,
+                full_avg_blocks=st.full_block_steps / max(st.steps, 1),
+                full_peak_blocks=st.full_peak_blocks,
                 evicted=st.evicted,
                 moved=st.moved,
                 num_logical=st.table.num_logical,
