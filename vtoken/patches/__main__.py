@@ -1,0 +1,7 @@
+"""``python -m vtoken.patches``: see the package docstring."""
+
+import sys
+
+from vtoken.patches.cli import main
+
+sys.exit(main())
