@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "VTokenConfig",
@@ -143,7 +143,8 @@ class VTokenConfig(BaseModel):
 class RequestOverrides(BaseModel):
     """Per-request overrides, read from ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``).
 
-    Keys: ``vtoken_enable`` (bool; false turns eviction off for this request),
+    Keys: ``vtoken_enable`` (bool, or 0/1, or "true"/"false": ``vllm_xargs`` turns JSON
+    booleans into ints; false turns eviction off for this request),
     ``vtoken_budget`` (int tokens >= 1), ``vtoken_policy`` (a registered policy name).
     Other ``extra_args`` keys are ignored (they may belong to someone else).
     """
@@ -153,6 +154,17 @@ class RequestOverrides(BaseModel):
     vtoken_enable: bool = True
     vtoken_budget: Optional[int] = Field(None, ge=1)
     vtoken_policy: Optional[str] = None
+
+    @field_validator("vtoken_enable", mode="before")
+    @classmethod
+    def _enable_from_xargs(cls, v: Any) -> Any:
+        # OpenAI ``vllm_xargs`` values are str | int | float: JSON ``false`` arrives as 0.
+        # Accept 0/1 and "true"/"false"/"0"/"1" (any case); anything else stays strict.
+        if type(v) is int and v in (0, 1):
+            return bool(v)
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "0", "1"):
+            return v.strip().lower() in ("true", "1")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "RequestOverrides":

@@ -99,6 +99,11 @@ def _wrap_create_engine_config() -> None:
         vcfg.scheduler_config.scheduler_cls = SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = CPU_WORKER_CLS
         vcfg.additional_config["vtoken"] = cfg.model_dump()
+        # /metrics (front end) must see the EngineCore's vtoken: metrics: Prometheus
+        # multiprocess mode, set up here, before the EngineCore and vLLM's stat loggers exist.
+        from vtoken.integrations.vllm.metrics import setup_prometheus_bridge
+
+        setup_prometheus_bridge()
         logger.info(
             "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s",
             cfg.mode, cfg.policy, cfg.budget,

@@ -1,0 +1,222 @@
+"""The OpenAI server with vToken on (tiny model, H2O, budget 48 tokens, slack 0).
+
+References, all independent of the engine: the dense oracle (``vtoken.oracle``: greedy
+Hugging Face generation with the same eviction on a logical-order cache) for the tokens
+and for every eviction count; the same requests served one at a time (solo) for the
+batched results; block counts replayed from the oracle's per-step live counts.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from e2e_server import BLOCK_SIZE, HTTP_TIMEOUT_S, MODEL_NAME, run_server
+from vtoken.config import parse_config, parse_request_overrides
+from vtoken.oracle import oracle_generate
+
+pytestmark = pytest.mark.engine
+
+BUDGET = 48  # not a multiple of BLOCK_SIZE: a request settles at ceil(49/32) = 2 blocks
+VT = {"policy": "h2o", "budget": BUDGET, "slack": 0}
+MAX_TOKENS = 16
+COUNTERS = ["evicted_tokens", "moved_tokens", "freed_blocks", "evictions", "repack_seconds", "preemption_resets"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    with run_server(tiny_model, tmp_path_factory.mktemp("vtoken_server") / "server.log", {"vtoken": VT}) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def base_cfg():
+    return parse_config(VT)
+
+
+def _expect(res, bs: int = BLOCK_SIZE) -> dict[str, int]:
+    """Counter increments one request must cause, replayed from an oracle result.
+
+    Blocks: the prefill allocates ceil(P/B); before decode step i the scheduler evicts
+    ``k_i`` tokens and keeps ceil(live/B) blocks (the rest are freed), then the step's
+    token may need one more block.
+    """
+    held = _cdiv(res.prompt_len, bs)
+    freed = 0
+    for i in range(1, len(res.token_ids)):
+        k = len(res.evicted_positions[i])
+        if k:
+            keep = _cdiv(res.num_live[i - 1] - k, bs)
+            freed += held - keep
+            held = keep
+        held = max(held, _cdiv(res.num_live[i], bs))
+    return dict(evicted_tokens=res.num_evicted, evictions=sum(1 for e in res.evicted_positions if len(e)),
+                freed_blocks=freed)
+
+
+def _vt(m: dict[str, float], name: str) -> float:
+    suffix = "" if name in ("live_tokens", "logical_tokens", "retained_blocks", "naive_retained_blocks",
+                            "dense_blocks", "evicting_requests") else "_total"
+    return m.get(f"vtoken:{name}{suffix}", 0.0)
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {c: _vt(after, c) - _vt(before, c) for c in COUNTERS}
+
+
+def _wait_idle(server, deadline_s: float = 30.0) -> dict[str, float]:
+    """Scrape until no request runs and vToken tracks no token (bounded)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        m = server.metrics()
+        if m.get("vllm:num_requests_running", 0) == 0 and _vt(m, "retained_blocks") == 0:
+            return m
+        assert time.monotonic() < end, f"server not idle: {m}"
+        time.sleep(0.2)
+
+
+# (kind, stream) per request: both endpoints, streaming and not
+SHAPES = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
+
+
+def test_metrics_exposed_with_labels(server):
+    text = server.metrics_text()
+    for name in ["live_tokens", "retained_blocks", "naive_retained_blocks", "dense_blocks"]:
+        assert f"# TYPE vtoken:{name} gauge" in text
+        assert f'vtoken:{name}{{engine="0",model_name="{MODEL_NAME}"}}' in text
+    for name in COUNTERS:
+        assert f"# TYPE vtoken:{name}_total counter" in text
+        assert f'vtoken:{name}_total{{engine="0",model_name="{MODEL_NAME}"}}' in text
+    # vLLM's own metrics still reach /metrics through the multiprocess registry
+    assert "# TYPE vllm:num_requests_running gauge" in text
+    assert "# TYPE vllm:generation_tokens_total counter" in text
+
+
+def test_batch_equals_solo_and_oracle(server, sharegpt_prompts, oracle_model, base_cfg):
+    prompts = sharegpt_prompts[:4]
+    m0 = _wait_idle(server)
+    with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
+        futs = [ex.submit(server.generate, kind, p, MAX_TOKENS, stream=stream)
+                for p, (kind, stream) in zip(prompts, SHAPES)]
+        batch = [f.result(timeout=HTTP_TIMEOUT_S) for f in futs]
+    m1 = _wait_idle(server)
+    solo = [server.generate(kind, p, MAX_TOKENS, stream=stream) for p, (kind, stream) in zip(prompts, SHAPES)]
+    m2 = _wait_idle(server)
+
+    want = {c: 0 for c in ("evicted_tokens", "evictions", "freed_blocks")}
+    for (kind, stream), (pids, toks), (spids, stoks) in zip(SHAPES, batch, solo):
+        assert pids == spids
+        assert len(pids) > BUDGET + 16, "prompt too short to evict"
+        res = oracle_generate(oracle_model, pids, MAX_TOKENS, base_cfg)
+        assert toks == stoks, f"{kind} stream={stream}: batched != solo"
+        assert toks == res.token_ids, f"{kind} stream={stream}: server != dense oracle with H2O eviction"
+        for k, v in _expect(res).items():
+            want[k] += v
+    assert want["evicted_tokens"] > 0 and want["freed_blocks"] > 0
+
+    for before, after in ((m0, m1), (m1, m2)):
+        d = _delta(before, after)
+        for k, v in want.items():
+            assert d[k] == v, f"vtoken:{k}_total moved by {d[k]}, expected {v}"
+        assert 0 < d["moved_tokens"] <= d["evicted_tokens"]
+        assert d["repack_seconds"] > 0
+        assert d["preemption_resets"] == 0
+        # vLLM's own counters keep working next to ours
+        assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 4 * MAX_TOKENS
+        assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 4
+    for g in ("live_tokens", "logical_tokens", "retained_blocks", "naive_retained_blocks", "dense_blocks",
+              "evicting_requests"):
+        assert _vt(m2, g) == 0, g
+
+
+def test_gauges_in_flight_then_zero_when_idle(server, sharegpt_prompts):
+    """Mid-stream the gauges show one request at its budget; once it ends (or the client
+    drops the stream: abort), they return to zero."""
+    _wait_idle(server)
+    body = dict(model=MODEL_NAME, prompt=sharegpt_prompts[5], max_tokens=1800, temperature=0.0, ignore_eos=True,
+                stream=True)
+    seen = None
+    for _attempt in range(3):  # the tiny model may finish 1800 tokens before the scrape; retry (bounded)
+        with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=HTTP_TIMEOUT_S) as r:
+            assert r.status_code == 200
+            for n, line in enumerate(r.iter_lines(decode_unicode=True)):
+                if line and line.startswith("data: ") or n > 10:
+                    break
+            m = server.metrics()
+        if _vt(m, "evicting_requests") == 1:
+            seen = m
+            break
+        _wait_idle(server)
+    assert seen is not None, "never caught the request in flight"
+    m = seen
+    # after schedule(): evicted down to the budget, then this step's token appended
+    assert _vt(m, "live_tokens") == BUDGET + 1
+    assert _vt(m, "retained_blocks") == _vt(m, "dense_blocks") == _cdiv(BUDGET + 1, BLOCK_SIZE)
+    assert _vt(m, "naive_retained_blocks") >= _vt(m, "retained_blocks")
+    assert _vt(m, "logical_tokens") > BUDGET + 1
+    m = _wait_idle(server)
+    for g in ("live_tokens", "logical_tokens", "retained_blocks", "naive_retained_blocks", "dense_blocks",
+              "evicting_requests"):
+        assert _vt(m, g) == 0, g
+
+
+@pytest.mark.parametrize(
+    "xargs, no_eviction",
+    [
+        ({"vtoken_enable": False}, True),  # JSON false arrives as 0 (vllm_xargs: str | int | float)
+        ({"vtoken_enable": "false"}, True),
+        ({"vtoken_budget": 4096}, True),  # above the request's length
+        ({"vtoken_budget": 80}, False),
+        ({"vtoken_policy": "streaming"}, False),
+        ({"vtoken_enable": True, "vtoken_budget": 72, "vtoken_policy": "tova"}, False),
+    ],
+)
+def test_per_request_overrides(server, sharegpt_prompts, oracle_model, base_cfg, xargs, no_eviction):
+    m0 = _wait_idle(server)
+    pids, toks = server.generate("completion", sharegpt_prompts[4], MAX_TOKENS, xargs=xargs)
+    m1 = _wait_idle(server)
+    ov = parse_request_overrides(xargs)
+    cfg = None if no_eviction else ov.apply(base_cfg)
+    res = oracle_generate(oracle_model, pids, MAX_TOKENS, cfg)
+    assert toks == res.token_ids
+    d = _delta(m0, m1)
+    if no_eviction:
+        assert d["evicted_tokens"] == d["freed_blocks"] == d["evictions"] == 0
+        assert toks == oracle_generate(oracle_model, pids, MAX_TOKENS, None).token_ids
+    else:
+        exp = _expect(res)
+        assert exp["evicted_tokens"] > 0
+        for k, v in exp.items():
+            assert d[k] == v, f"vtoken:{k}_total moved by {d[k]}, expected {v}"
+
+
+@pytest.mark.parametrize(
+    "kind, xargs, field",
+    [
+        ("completion", {"vtoken_budget": -3}, "vtoken_budget"),
+        ("completion", {"vtoken_budget": "abc"}, "vtoken_budget"),
+        ("completion", {"vtoken_policy": "nope"}, "vtoken_policy"),
+        ("completion", {"vtoken_foo": 1}, "vtoken_foo"),
+        ("completion", {"vtoken_enable": "maybe"}, "vtoken_enable"),
+        ("chat", {"vtoken_budget": -3}, "vtoken_budget"),
+        ("chat", {"vtoken_policy": "nope"}, "vtoken_policy"),
+    ],
+)
+def test_bad_override_is_400_and_server_keeps_serving(server, kind, xargs, field):
+    body = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0, vllm_xargs=xargs)
+    if kind == "completion":
+        path, body["prompt"] = "/v1/completions", "hello"
+    else:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "hello"}]
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"], r.text
+    pids, toks = server.generate(kind, "hello again", 4)
+    assert len(toks) == 4

@@ -1,0 +1,186 @@
+"""vToken's Prometheus metrics (``vtoken:*``), exported on the OpenAI server's ``/metrics``.
+
+Names follow vLLM's own (``vllm:num_requests_running`` ...), with the same labels
+``model_name`` and ``engine``:
+
+==================================  =======  =================================================
+name                                kind     meaning
+==================================  =======  =================================================
+``vtoken:live_tokens``              gauge    live (physical) tokens of the requests vToken tracks
+``vtoken:logical_tokens``           gauge    logical tokens (ever seen) of those requests
+``vtoken:retained_blocks``          gauge    KV blocks those requests hold
+``vtoken:naive_retained_blocks``    gauge    blocks Naive-Evict would hold for the same decisions
+``vtoken:dense_blocks``             gauge    sum over requests of ``ceil(live / block_size)``
+``vtoken:evicting_requests``        gauge    requests that have evicted at least one token
+``vtoken:evicted_tokens_total``     counter  tokens evicted
+``vtoken:moved_tokens_total``       counter  token moves (holes filled from the tail)
+``vtoken:freed_blocks_total``       counter  tail blocks returned to the block pool
+``vtoken:evictions_total``          counter  eviction events (one per request and step)
+``vtoken:repack_seconds_total``     counter  scheduler time spent choosing victims and planning
+``vtoken:preemption_resets_total``  counter  vToken states dropped because vLLM preempted a request
+==================================  =======  =================================================
+
+Gauges are the state after the last ``schedule()`` (and after the engine goes idle, see
+:meth:`VTokenMetrics.attach`); counters are mirrored from the scheduler's monotonic
+:class:`~vtoken.integrations.vllm.scheduler.VTokenStats`.
+
+The bridge between processes
+----------------------------
+The scheduler runs in the EngineCore process, ``/metrics`` is served by the API-server
+process. vLLM already supports Prometheus multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``;
+``vllm.v1.metrics.prometheus.get_prometheus_registry`` then builds ``/metrics`` from a
+``MultiProcessCollector`` over that directory; vLLM turns it on itself with
+``--api-server-count > 1``). With vToken on, :func:`setup_prometheus_bridge` runs in
+process 0 while the engine config is built (before the EngineCore starts and before
+vLLM creates its own front-end metrics): it sets ``PROMETHEUS_MULTIPROC_DIR`` to a
+temporary directory (kept if already set) and switches prometheus_client's value class
+to its multiprocess one, so vLLM's own metrics and ours are all written to the
+directory and collected together. Without the ``vtoken`` key nothing here runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any, Optional
+
+import prometheus_client
+from prometheus_client import values as _prom_values
+
+logger = logging.getLogger("vtoken")
+
+__all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS"]
+
+#: gauge name -> (VTokenStats field, help)
+GAUGES: dict[str, tuple[str, str]] = {
+    "vtoken:live_tokens": ("live_tokens", "Live (physical) KV tokens of the requests vToken tracks."),
+    "vtoken:logical_tokens": ("logical_tokens", "Logical tokens (ever seen) of the requests vToken tracks."),
+    "vtoken:retained_blocks": ("retained_blocks", "KV-cache blocks held by the requests vToken tracks."),
+    "vtoken:naive_retained_blocks": (
+        "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions."),
+    "vtoken:dense_blocks": ("dense_blocks", "Sum over tracked requests of ceil(live_tokens / block_size)."),
+    "vtoken:evicting_requests": ("num_evicting_requests", "Tracked requests that have evicted at least one token."),
+}
+#: counter name (prometheus_client appends ``_total``) -> (VTokenStats field, help)
+COUNTERS: dict[str, tuple[str, str]] = {
+    "vtoken:evicted_tokens": ("evicted_tokens", "Tokens evicted from the KV cache."),
+    "vtoken:moved_tokens": ("moved_tokens", "Token moves planned to fill holes from the tail."),
+    "vtoken:freed_blocks": ("freed_blocks", "Tail KV-cache blocks returned to the block pool."),
+    "vtoken:evictions": ("evictions", "Eviction events (one per request and step)."),
+    "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves."),
+    "vtoken:preemption_resets": ("preemption_resets", "vToken request states dropped because of preemption."),
+}
+
+_LABELS = ["model_name", "engine"]
+# One family per name per process (a second scheduler in the same process reuses them).
+_families: dict[str, Any] = {}
+_bridge_dir: Optional[tempfile.TemporaryDirectory] = None
+
+
+def setup_prometheus_bridge() -> Optional[str]:
+    """Put this process (and the processes it starts) in Prometheus multiprocess mode.
+
+    Call in process 0 before the EngineCore starts and before vLLM creates its stat
+    loggers. Sets ``PROMETHEUS_MULTIPROC_DIR`` to a fresh temporary directory (removed
+    at exit) unless it is set already, and makes prometheus_client build multiprocess
+    values from now on (it chose its value class when first imported, usually before
+    this point). Idempotent. Returns the directory.
+    """
+    global _bridge_dir
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if path is None:
+        _bridge_dir = tempfile.TemporaryDirectory(prefix="vtoken_prom_")
+        path = _bridge_dir.name
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        logger.info("vToken: Prometheus multiprocess mode on (PROMETHEUS_MULTIPROC_DIR=%s) "
+                    "so /metrics shows the EngineCore's vtoken: metrics", path)
+    _ensure_multiprocess_values()
+    return path
+
+
+def _ensure_multiprocess_values() -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and _prom_values.ValueClass is _prom_values.MutexValue:
+        _prom_values.ValueClass = _prom_values.get_value_class()
+
+
+def _family(kind: str, name: str, doc: str):
+    fam = _families.get(name)
+    if fam is None:
+        if kind == "gauge":
+            # livemostrecent: the value of the live EngineCore only (a dead engine's gauge vanishes).
+            fam = prometheus_client.Gauge(name, doc, labelnames=_LABELS, multiprocess_mode="livemostrecent")
+        else:
+            fam = prometheus_client.Counter(name, doc, labelnames=_LABELS)
+        _families[name] = fam
+    return fam
+
+
+def _labels_from_config(vllm_config) -> tuple[str, str]:
+    name = getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model
+    if isinstance(name, (list, tuple)):
+        name = name[0]
+    pc = vllm_config.parallel_config
+    idx = getattr(pc, "data_parallel_index", None)
+    if idx is None:
+        idx = getattr(pc, "data_parallel_rank", 0) or 0
+    return str(name), str(idx)
+
+
+class VTokenMetrics:
+    """Mirrors a scheduler's ``VTokenStats`` into the ``vtoken:`` Prometheus metrics.
+
+    Args:
+        model_name, engine: label values (as vLLM's ``model_name`` / ``engine`` labels).
+    """
+
+    def __init__(self, model_name: str, engine: str = "0"):
+        _ensure_multiprocess_values()
+        lv = dict(model_name=model_name, engine=engine)
+        self._gauges = [(f, _family("gauge", n, d).labels(**lv)) for n, (f, d) in GAUGES.items()]
+        self._counters = [(f, _family("counter", n, d).labels(**lv)) for n, (f, d) in COUNTERS.items()]
+        self._last: dict[str, float] = {f: 0 for f, _ in self._counters}
+        self._last_gauges: dict[str, float] = {}
+        for f, g in self._gauges:
+            g.set(0)
+            self._last_gauges[f] = 0
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> "VTokenMetrics":
+        return cls(*_labels_from_config(vllm_config))
+
+    def update(self, stats) -> None:
+        """Publish ``stats`` (a ``VTokenStats``): set the gauges, add counter deltas."""
+        for f, g in self._gauges:
+            v = getattr(stats, f)
+            if v != self._last_gauges[f]:
+                g.set(v)
+                self._last_gauges[f] = v
+        for f, c in self._counters:
+            v = getattr(stats, f)
+            d = v - self._last[f]
+            if d > 0:
+                c.inc(d)
+                self._last[f] = v
+
+    def attach(self, scheduler) -> "VTokenMetrics":
+        """Also refresh the gauges when the scheduler goes idle.
+
+        The EngineCore calls ``schedule()`` only while it has requests, so after the
+        last request finishes (in ``update_from_output``) or is aborted (in
+        ``finish_requests``) the gauges would keep the last busy step's values. This
+        wraps those two methods on the instance (not the class) to recompute the gauges
+        with the scheduler's ``_vt_update_gauges`` and publish them when no request is left.
+        """
+        for meth in ("update_from_output", "finish_requests"):
+            orig = getattr(scheduler, meth)
+
+            def wrapped(*args, _orig=orig, **kwargs):
+                res = _orig(*args, **kwargs)
+                if not scheduler.has_requests():
+                    scheduler._vt_update_gauges()
+                    self.update(scheduler.vt_stats)
+                return res
+
+            setattr(scheduler, meth, wrapped)
+        return self
