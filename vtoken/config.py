@@ -11,6 +11,7 @@ This module never imports vllm.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -97,7 +98,15 @@ class VTokenConfig(BaseModel):
         if self.policy not in known:
             raise ValueError(f"vtoken.policy = {self.policy!r}: unknown policy; allowed: {known}")
         # Build the policy once so that its own checks (policy_args, protections) run now.
-        self.make_policy()
+        try:
+            self.make_policy()
+        except ValueError as e:
+            msg = str(e)
+            if not msg.startswith("vtoken."):  # a policy's own check names only its argument
+                rest = msg.removeprefix(f"{self.policy}: ")
+                sep = "." if re.match(r"\w+ = ", rest) else ": "
+                msg = f"vtoken.policy_args{sep}{rest} (policy {self.policy!r})"
+            raise ValueError(msg) from None
         sinks, recent = self.protections()
         if self.budget_ratio is None and sinks + recent > self.budget:
             raise ValueError(

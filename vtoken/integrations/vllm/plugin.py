@@ -96,6 +96,7 @@ def _wrap_create_engine_config() -> None:
             raise VTokenConfigError(
                 "vToken's integration currently runs on the CPU backend only (the GPU path is a later milestone)"
             )
+        _check_block_size(vcfg.cache_config.block_size)
         vcfg.scheduler_config.scheduler_cls = SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = CPU_WORKER_CLS
         vcfg.additional_config["vtoken"] = cfg.model_dump()
@@ -114,6 +115,26 @@ def _wrap_create_engine_config() -> None:
 
     create_engine_config._vtoken_wrapped = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_block_size(block_size) -> None:
+    """Refuse a KV block size the CPU attention backend cannot use, naming ``--block-size``.
+
+    Stock vLLM accepts the value here and fails later, inside the worker, with a deep
+    traceback ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])").
+    """
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_kernel_block_sizes()
+    ok = any((isinstance(s, MultipleOf) and block_size % s.base == 0) or (isinstance(s, int) and block_size == s)
+             for s in sizes)
+    if not ok:
+        allowed = ", ".join(f"a multiple of {s.base}" if isinstance(s, MultipleOf) else str(s) for s in sizes)
+        raise VTokenConfigError(
+            f"--block-size = {block_size!r}: the CPU attention backend ({CPUAttentionBackend.get_name()}) "
+            f"cannot use it; allowed: {allowed} (e.g. --block-size 32)"
+        )
 
 
 def _check_model(vcfg) -> None:
