@@ -92,6 +92,15 @@ class VTokenConfig(BaseModel):
     score_every: int = Field(1, ge=1, description="compute attention scores every k decode steps")
     log_stats: bool = Field(True, description="log a one-line vToken summary with vLLM's stats")
 
+    @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
+                     mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        # JSON true/false would otherwise pass as 1/0 (pydantic's lax int/float).
+        if isinstance(v, bool):
+            raise ValueError("expected a number, not a boolean")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "VTokenConfig":
         known = _known_policies()
