@@ -147,3 +147,21 @@ def test_aborts_and_preemption_lose_no_block(tiny):
     for r in reqs[1:5]:
         assert out["finish"][r["id"]] == "length" and len(out["tokens"][r["id"]]) == 80
     assert out["vtoken"]["stats"]["preemption_resets"] > 0
+
+
+def test_score_every_matches_dense_oracle(tiny):
+    """Scores every 3rd decode step (and every prefill): same convention as the oracle."""
+    import torch
+
+    from vtoken.oracle import load_oracle_model, oracle_generate
+
+    vt = {"policy": "h2o", "budget": 37, "score_every": 3}
+    reqs = [dict(id=f"s{i}", prompt_token_ids=_prompt(50 + i, n), max_tokens=NEW_TOKENS,
+                 extra_args={"vtoken_policy": pol}) for i, (n, pol) in enumerate([(80, "h2o"), (60, "tova"), (20, "scissorhands")])]
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=vt, requests=reqs))
+    torch.set_num_threads(2)
+    model = load_oracle_model(tiny)
+    base = parse_config(vt)
+    for r in reqs:
+        ref = oracle_generate(model, r["prompt_token_ids"], NEW_TOKENS, parse_request_overrides(r["extra_args"]).apply(base))
+        assert out["tokens"][r["id"]] == list(ref.token_ids), r["id"]

@@ -72,6 +72,9 @@ class RequestState:
     #: set once a step sampled a token (prefill or re-prefill after preemption complete);
     #: eviction starts only then, as in the dense oracle.
     decoding: bool = False
+    #: decode forwards scheduled so far (1 = the first decode step); scores are computed on
+    #: every prefill chunk and on decode steps d with d % score_every == 0 (as the oracle).
+    decode_steps: int = 0
     # lifetime accounting (for retained-blocks figures)
     steps: int = 0
     held_block_steps: int = 0  # sum over scheduled steps of blocks held
@@ -260,7 +263,11 @@ class VTokenScheduler(Scheduler):
             st.table.append(n)
             st.naive.append(n)
             st.pstate.reset_slots(old, old + n)
-            if st.policy.needs != AttentionNeed.NONE:
+            if st.decoding:
+                st.decode_steps += 1
+            if st.policy.needs != AttentionNeed.NONE and (
+                not st.decoding or st.decode_steps % st.cfg.score_every == 0
+            ):
                 payload.scores[rid] = st.policy.needs.value
             held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
             naive_b = max(st.naive.num_retained_blocks, _cdiv(st.table.num_live, self._vt_bs))
