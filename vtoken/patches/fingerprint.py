@@ -22,8 +22,11 @@ Fingerprint rules (the manifest's contract; see docs/patches.md):
      ``inspect.getsource`` of the object, after ``inspect.unwrap`` (so a vToken wrapper
      installed with ``functools.wraps`` is looked through to the upstream function).
   3. any other member of a module or class (constants, dataclass fields, class
-     attributes): the top-level statements of the owner's body that bind the name
-     (for classes, of the first class in the MRO whose body binds it).
+     attributes): the top-level statements of the owner's body (descending into
+     ``if``/``try`` blocks, e.g. ``if TYPE_CHECKING:`` declarations) that bind the name,
+     plus the ``"name": value`` item of any top-level dict literal keyed by the name
+     (``vllm.envs.environment_variables``); for classes, of the first class in the MRO
+     whose body binds it.
 
 * the symbol *exists* when it resolves by import + ``getattr``, or a statement binds it
   (rule 3), or, with ``source_of``, the ``source_of`` code reads or writes an attribute of
@@ -143,7 +146,14 @@ def _body_binding(owner, name: str):
         if isinstance(o, type) and body and isinstance(body[0], ast.ClassDef):
             body = body[0].body
         segs = []
-        for st in body:
+        stmts = list(body)
+        k = 0
+        while k < len(stmts):  # top-level statements, including those inside if/try blocks
+            st = stmts[k]
+            k += 1
+            if isinstance(st, (ast.If, ast.Try)):
+                stmts[k:k] = [*st.body, *getattr(st, "orelse", []), *getattr(st, "finalbody", [])]
+                continue
             targets = []
             if isinstance(st, ast.Assign):
                 targets = st.targets
@@ -156,6 +166,11 @@ def _body_binding(owner, name: str):
                         names.add(n.id)
             if name in names:
                 segs.append(ast.get_source_segment(text, st))
+            value = getattr(st, "value", None)
+            if isinstance(value, ast.Dict):  # a registry dict keyed by the name (vllm.envs)
+                for key, val in zip(value.keys, value.values):
+                    if isinstance(key, ast.Constant) and key.value == name:
+                        segs.append(f"{ast.get_source_segment(text, key)}: {ast.get_source_segment(text, val)}")
         if segs:
             return "\n".join(segs), f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', o.__name__)}".lstrip(".")
     return None, None
