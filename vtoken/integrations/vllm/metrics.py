@@ -35,7 +35,9 @@ process 0 while the engine config is built (before the EngineCore starts and bef
 vLLM creates its own front-end metrics): it sets ``PROMETHEUS_MULTIPROC_DIR`` to a
 temporary directory (kept if already set) and switches prometheus_client's value class
 to its multiprocess one, so vLLM's own metrics and ours are all written to the
-directory and collected together. Without the ``vtoken`` key nothing here runs.
+directory and collected together. With an in-process EngineCore
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) there is nothing to bridge and nothing changes.
+Without the ``vtoken`` key nothing here runs.
 """
 
 from __future__ import annotations
@@ -85,9 +87,14 @@ def setup_prometheus_bridge() -> Optional[str]:
     loggers. Sets ``PROMETHEUS_MULTIPROC_DIR`` to a fresh temporary directory (removed
     at exit) unless it is set already, and makes prometheus_client build multiprocess
     values from now on (it chose its value class when first imported, usually before
-    this point). Idempotent. Returns the directory.
+    this point). Idempotent. Returns the directory, or None when the EngineCore runs in
+    this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): nothing to bridge then.
     """
     global _bridge_dir
+    from vllm import envs
+
+    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        return None  # in-process EngineCore: its metrics already live in this process's registry
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if path is None:
         _bridge_dir = tempfile.TemporaryDirectory(prefix="vtoken_prom_")
