@@ -1,0 +1,74 @@
+"""The probed CPU KV layout: token moves and key reads are bit-exact against vLLM's own packing op.
+
+No engine: writes random tokens with ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (the op the
+CPU backend uses) into a cache, then checks ``gather_keys_cpu`` and ``move_tokens_cpu`` against
+the values written, for every dtype/ISA pair this machine supports.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+from vtoken.integrations.vllm.kv_layout import _regions, gather_keys_cpu, move_tokens_cpu, probe_cpu_layout  # noqa: E402
+
+
+def _cases():
+    cases = [(torch.float32, "vec"), (torch.bfloat16, "vec")]
+    if torch.cpu._is_amx_tile_supported():
+        cases.append((torch.bfloat16, "amx"))
+    return cases
+
+
+def _values(kv, layout, block_ids, n):
+    """K and V of slots 0..n-1 as [n, H, hd] (independent of the code under test: uses the maps only)."""
+    bs = layout.block_size
+    kr, vr = _regions(kv)
+    s = torch.arange(n)
+    b = block_ids[s // bs]
+    k = kr[b[:, None], layout.idx_k[s % bs]].permute(0, 2, 1)
+    v = vr[b[:, None], layout.idx_v[s % bs]].permute(0, 2, 1)
+    return k, v
+
+
+@pytest.mark.parametrize("dtype,isa", _cases())
+def test_probe_move_and_gather_bit_exact(dtype, isa):
+    g = torch.Generator().manual_seed(0)
+    nb, H, bs, hd = 6, 3, 32, 64
+    layout = probe_cpu_layout(dtype, isa, bs, hd, H)
+    cache = torch.zeros(nb, H, 2 * bs, hd, dtype=dtype)
+    kc, vc = cache.chunk(2, dim=2)
+    n = 150
+    k = torch.randn(n, H, hd, generator=g).to(dtype)
+    v = torch.randn(n, H, hd, generator=g).to(dtype)
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    kv = cache.view(nb, H, bs, 2 * hd)
+    blocks = torch.arange(nb)
+
+    # reads: every written slot gives back exactly what the packing op was given
+    keys = gather_keys_cpu(kv, layout, blocks, nb * bs)  # [H, n_slots, hd] fp32
+    assert torch.equal(keys[:, slots].permute(1, 0, 2), k.float())
+    kk, vv = _values(kv, layout, blocks, nb * bs)
+    assert torch.equal(kk[slots], k) and torch.equal(vv[slots], v)
+
+    # moves: 40 written tokens into 40 unwritten slots; everything else untouched
+    free = torch.tensor(sorted(set(range(nb * bs)) - set(slots.tolist())))[:40]
+    before_k, before_v = kk.clone(), vv.clone()
+    move_tokens_cpu(kv, layout, slots[:40], free)
+    kk, vv = _values(kv, layout, blocks, nb * bs)
+    assert torch.equal(kk[free], k[:40]) and torch.equal(vv[free], v[:40])
+    others = torch.ones(nb * bs, dtype=torch.bool)
+    others[free] = False
+    assert torch.equal(kk[others], before_k[others]) and torch.equal(vv[others], before_v[others])
+
+
+def test_probe_layout_is_a_permutation_per_block():
+    lay = probe_cpu_layout(torch.float32, "vec", 32, 64, 1)
+    for idx in (lay.idx_k, lay.idx_v):
+        assert sorted(idx.flatten().tolist()) == list(range(32 * 64))
+    # vec layout: K transposed (dim-major), V token-major
+    assert lay.idx_k[1, 0] == 1 and lay.idx_k[0, 1] == 32
+    assert lay.idx_v[1, 0] == 64 and lay.idx_v[0, 1] == 1
