@@ -1,0 +1,240 @@
+"""Quality under eviction, per policy and budget, against the full (no-eviction) cache. SmolLM2.
+
+Two measurements on long ShareGPT conversations (chat template applied), each cut at
+``prompt_len`` tokens:
+
+A. Teacher-forced, dense oracle (``vtoken.oracle.oracle_generate``, HF transformers, fp32,
+   eager attention). The oracle runs the same step order and eviction as the engine (the engine
+   is verified token-exact against it). The model is wrapped so that every decode step is fed
+   the conversation's *real* next token instead of the oracle's own greedy sample (teacher
+   forcing); the oracle's per-step logits then score the real continuation. Per policy/budget:
+   mean NLL (and perplexity) of the next ``K`` real tokens, the NLL increase over the full
+   cache, top-1 accuracy on the real tokens, and next-token agreement = fraction of positions
+   whose argmax equals the full cache's argmax at the same position.
+
+B. Greedy generation inside vLLM (SmolLM2 bf16). For every conversation prefix the same batch
+   holds one full-cache request (``vtoken_enable: false``: the plugin is inert for it, stock
+   behaviour) and one request per policy/budget; each generates ``K`` tokens greedily. Reported:
+   the fraction of positions before the first divergence from the full-cache tokens
+   (``prefix_agreement``) and the fraction of positions with equal tokens overall
+   (``positional_agreement``; after a divergence the texts differ, so this is a loose figure).
+
+Usage::
+
+    python benchmarks/bench_quality.py --small
+    python benchmarks/bench_quality.py --full
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    ALL_POLICIES,
+    PAPER_POLICIES,
+    RESULTS,
+    cdiv,
+    engine_kwargs,
+    load_long_conversations,
+    mean,
+    run_engine,
+    run_metadata,
+    smollm2,
+    write_json,
+)
+
+SEED = 0
+
+
+def plan(size: str) -> dict:
+    if size == "small":
+        return dict(oracle=dict(n_conv=1, prompt_len=512, K=32, policies=PAPER_POLICIES, budgets=[128, 256]),
+                    engine=dict(n_conv=1, prompt_len=768, K=32, policies=PAPER_POLICIES, budgets=[128, 256]))
+    return dict(oracle=dict(n_conv=3, prompt_len=1024, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]),
+                engine=dict(n_conv=3, prompt_len=1536, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]))
+
+
+class TeacherForced:
+    """Wraps a HF causal LM: decode-step inputs (one token) are replaced by ``forced`` in order.
+
+    ``oracle_generate`` feeds its own greedy sample at each decode step; with this wrapper the
+    ``d``-th decode forward receives ``forced[d - 1]`` instead, at the same logical position.
+    Everything else (config, parameters, the cache) is the wrapped model's.
+    """
+
+    def __init__(self, model, forced: list[int]):
+        self._model = model
+        self._forced = list(forced)
+        self._d = 0
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *, input_ids, **kw):
+        import torch
+
+        if input_ids.shape[1] == 1:  # a decode step
+            input_ids = torch.tensor([[self._forced[self._d]]], dtype=input_ids.dtype, device=input_ids.device)
+            self._d += 1
+        return self._model(input_ids=input_ids, **kw)
+
+
+def oracle_part(p: dict, bar) -> dict:
+    import torch
+
+    from vtoken.config import VTokenConfig
+    from vtoken.oracle import load_oracle_model, oracle_generate
+
+    model = load_oracle_model(smollm2(), dtype=torch.float32)
+    convs = load_long_conversations(p["n_conv"], p["prompt_len"] + p["K"], seed=SEED + 1)
+    rows = []
+    configs = [None] + [(pol, b) for pol in p["policies"] for b in p["budgets"]]
+    for ci, c in enumerate(convs):
+        prompt = c["ids"][: p["prompt_len"]]
+        target = c["ids"][p["prompt_len"]: p["prompt_len"] + p["K"]]
+        full_argmax = None
+        for conf in configs:
+            bar.set_postfix_str(f"oracle c{ci} {conf}")
+            cfg = None if conf is None else VTokenConfig(policy=conf[0], budget=conf[1])
+            t0 = time.perf_counter()
+            res = oracle_generate(TeacherForced(model, target[:-1]), prompt, p["K"], cfg, return_logits=True)
+            lp = [torch.log_softmax(lg.double(), dim=-1) for lg in res.logits]
+            nll = [-float(l[t]) for l, t in zip(lp, target)]
+            am = [int(torch.argmax(lg)) for lg in res.logits]
+            if conf is None:
+                full_argmax = am
+            rows.append(dict(conv=ci, conv_id=c["id"], policy=conf[0] if conf else "full",
+                             budget=conf[1] if conf else None, nll=mean(nll), nll_per_pos=nll,
+                             top1_acc=mean(a == t for a, t in zip(am, target)),
+                             agree_full=mean(a == f for a, f in zip(am, full_argmax)),
+                             evicted=res.num_evicted, final_live=res.num_live[-1], wall_s=time.perf_counter() - t0))
+            bar.update(1)
+    summary = []
+    full = {r["conv"]: r for r in rows if r["policy"] == "full"}
+    for conf in configs:
+        pol, b = (conf if conf else ("full", None))
+        rs = [r for r in rows if r["policy"] == pol and r["budget"] == b]
+        nll = mean(r["nll"] for r in rs)
+        summary.append(dict(policy=pol, budget=b, n=len(rs), nll=nll, ppl=math.exp(nll),
+                            delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
+                            top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs)))
+    return dict(config=p, rows=rows, summary=summary)
+
+
+def engine_part(p: dict, bar) -> dict:
+    model = smollm2()
+    convs = load_long_conversations(p["n_conv"], p["prompt_len"], seed=SEED + 1)
+    reqs, meta = [], {}
+    configs = [None] + [(pol, b) for pol in p["policies"] for b in p["budgets"]]
+    for ci, c in enumerate(convs):
+        for conf in configs:
+            rid = f"c{ci}.full" if conf is None else f"c{ci}.{conf[0]}.{conf[1]}"
+            ex = dict(vtoken_enable=False) if conf is None else dict(vtoken_policy=conf[0], vtoken_budget=conf[1])
+            reqs.append(dict(id=rid, prompt_token_ids=c["ids"][: p["prompt_len"]], max_tokens=p["K"],
+                             ignore_eos=True, extra_args=ex))
+            meta[rid] = (ci, conf)
+    B = 32
+    nb = len(reqs) * (cdiv(p["prompt_len"] + p["K"], B) + 1) + 16
+    spec = dict(engine=engine_kwargs(model, dtype="bfloat16", block_size=B, max_model_len=p["prompt_len"] + p["K"] + B,
+                                     num_blocks=nb),
+                vtoken=dict(policy="h2o", budget=256), requests=reqs, check=False)
+    bar.set_postfix_str("engine")
+    t0 = time.perf_counter()
+    out = run_engine(spec)
+    bar.update(1)
+    rows = []
+    for rid, (ci, conf) in meta.items():
+        if conf is None:
+            continue
+        ref = out["tokens"][f"c{ci}.full"]
+        got = out["tokens"][rid]
+        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        rows.append(dict(conv=ci, policy=conf[0], budget=conf[1], first_divergence=first,
+                         prefix_agreement=first / len(ref), positional_agreement=mean(a == b for a, b in zip(got, ref))))
+    summary = []
+    for conf in configs[1:]:
+        rs = [r for r in rows if r["policy"] == conf[0] and r["budget"] == conf[1]]
+        summary.append(dict(policy=conf[0], budget=conf[1], n=len(rs),
+                            prefix_agreement=mean(r["prefix_agreement"] for r in rs),
+                            positional_agreement=mean(r["positional_agreement"] for r in rs),
+                            mean_first_divergence=mean(r["first_divergence"] for r in rs)))
+    return dict(config=p, rows=rows, summary=summary, engine_wall_s=time.perf_counter() - t0,
+                preemptions=out["preemptions"], tokens=out["tokens"])
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
+    osum = [s for s in res["oracle"]["summary"] if s["policy"] != "full"]
+    esum = res["engine"]["summary"]
+    full_nll = next(s["nll"] for s in res["oracle"]["summary"] if s["policy"] == "full")
+    for pol in dict.fromkeys(s["policy"] for s in osum):
+        ss = sorted((s for s in osum if s["policy"] == pol), key=lambda s: s["budget"])
+        axes[0].plot([s["budget"] for s in ss], [s["nll"] for s in ss], "o-", label=pol)
+        axes[1].plot([s["budget"] for s in ss], [s["agree_full"] for s in ss], "o-", label=pol)
+    axes[0].axhline(full_nll, color="k", ls="--", label="full cache")
+    for pol in dict.fromkeys(s["policy"] for s in esum):
+        ss = sorted((s for s in esum if s["policy"] == pol), key=lambda s: s["budget"])
+        axes[2].plot([s["budget"] for s in ss], [s["prefix_agreement"] for s in ss], "o-", label=pol)
+    oc, ec = res["oracle"]["config"], res["engine"]["config"]
+    axes[0].set_title(f"A: teacher-forced NLL of next {oc['K']} real tokens\n(prompt {oc['prompt_len']}, fp32 oracle)",
+                      fontsize=8)
+    axes[1].set_title("A: next-token agreement with full cache", fontsize=8)
+    axes[2].set_title(f"B: greedy prefix agreement, {ec['K']} tokens\n(vLLM bf16, prompt {ec['prompt_len']})", fontsize=8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tokens)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--small", action="store_const", dest="size", const="small")
+    g.add_argument("--full", action="store_const", dest="size", const="full")
+    ap.set_defaults(size="full")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    out_path = args.out or RESULTS / f"quality_{args.size}.json"
+    p = plan(args.size)
+    t_start = time.perf_counter()
+    o = p["oracle"]
+    total = o["n_conv"] * (1 + len(o["policies"]) * len(o["budgets"])) + 1
+    bar = tqdm(total=total, desc="runs", unit="run")
+    eng = engine_part(p["engine"], bar)
+    orc = oracle_part(p["oracle"], bar)
+    bar.close()
+    res = dict(meta=run_metadata(benchmark="quality", size=args.size, seeds=dict(data_shuffle=SEED + 1, engine=0,
+                                 random_policy=0), model="SmolLM2-135M-Instruct (oracle fp32 HF eager; engine bf16)",
+                                 plan=p, total_wall_s=time.perf_counter() - t_start),
+               oracle=orc, engine=eng)
+    write_json(out_path, res)
+    plot(res, out_path.with_suffix(".png"))
+    print(f"{'policy':13} {'budget':>6} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
+    for s in orc["summary"]:
+        e = next((x for x in eng["summary"] if x["policy"] == s["policy"] and x["budget"] == s["budget"]), None)
+        es = f"{e['prefix_agreement']:13.2f} {e['positional_agreement']:10.2f}" if e else ""
+        print(f"{s['policy']:13} {str(s['budget']):>6} {s['nll']:6.3f} {s['delta_nll']:+6.3f} {s['agree_full']:6.2f} "
+              f"{s['top1_acc']:6.2f} | {es}")
+    print(f"total {res['meta']['total_wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
