@@ -50,7 +50,7 @@ from typing import Any, Optional
 import prometheus_client
 from prometheus_client import values as _prom_values
 
-logger = logging.getLogger("vtoken")
+logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
 __all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS"]
 

@@ -22,7 +22,7 @@ import os
 
 from vtoken.config import VTokenConfigError, parse_config, parse_request_overrides
 
-logger = logging.getLogger("vtoken")
+logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
 SCHEDULER_CLS = "vtoken.integrations.vllm.scheduler.VTokenScheduler"
 CPU_WORKER_CLS = "vtoken.integrations.vllm.worker.VTokenCPUWorker"

@@ -48,7 +48,7 @@ from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, 
 from vtoken.repack import NaiveEvictCounter
 from vtoken.token_table import TokenTable
 
-logger = logging.getLogger("vtoken")
+logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
 __all__ = ["VTokenScheduler", "VTokenFullAttentionManager", "RequestState", "VTokenStats"]
 

@@ -37,7 +37,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vtoken.integrations.vllm.kv_layout import TokenLayout, gather_keys_cpu, move_tokens_cpu, probe_cpu_layout
 from vtoken.policies.base import AttentionNeed
 
-logger = logging.getLogger("vtoken")
+logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
 __all__ = ["VTokenCPUWorker", "VTokenCPUModelRunner", "StepScores"]
 
