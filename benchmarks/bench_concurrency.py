@@ -23,8 +23,8 @@ depend on model size, only the policies' choices (attention patterns) do.
 
 Usage::
 
-    python benchmarks/bench_concurrency.py --small
-    python benchmarks/bench_concurrency.py --full
+    python benchmarks/bench_concurrency.py --small   # 423 s (OMP_NUM_THREADS=1, loaded 2-core machine)
+    python benchmarks/bench_concurrency.py --full    # see benchmarks/README.md
 """
 
 from __future__ import annotations

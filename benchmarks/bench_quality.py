@@ -21,8 +21,8 @@ B. Greedy generation inside vLLM (SmolLM2 bf16). For every conversation prefix t
 
 Usage::
 
-    python benchmarks/bench_quality.py --small
-    python benchmarks/bench_quality.py --full
+    python benchmarks/bench_quality.py --small   # 419 s (OMP_NUM_THREADS=1, loaded 2-core machine)
+    python benchmarks/bench_quality.py --full    # not run yet; est. 30-60 min
 """
 
 from __future__ import annotations

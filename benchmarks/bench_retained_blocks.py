@@ -27,8 +27,8 @@ Block size: vLLM's CPU attention backend needs block sizes that are multiples of
 
 Usage::
 
-    python benchmarks/bench_retained_blocks.py --small   # tiny model only, ~3 min on 2 shared cores
-    python benchmarks/bench_retained_blocks.py --full    # see benchmarks/README.md
+    python benchmarks/bench_retained_blocks.py --small   # tiny model, 3 engines: 917 s on 2 heavily shared cores
+    python benchmarks/bench_retained_blocks.py --full    # + SmolLM2 B=32/64: 974 s (OMP_NUM_THREADS=1, loaded)
 """
 
 from __future__ import annotations
