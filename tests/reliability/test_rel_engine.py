@@ -179,6 +179,9 @@ def test_preemption_storm(batch_run, solo_run):
     g = batch_run["storm"]
     pre = g["preemptions"]
     assert sum(pre.values()) > 0, "no preemption: the storm did not overload the pool"
+    # both kinds were preempted: eviction-off ones (recomputed, must still equal solo) and eviction-on ones
+    assert any(pre[r["id"]] for r in STORM if r["id"].startswith("s-off")), pre
+    assert any(pre[r["id"]] for r in STORM if r["id"].startswith("s-on")), pre
     assert g["stats_delta"]["preemption_resets"] == sum(v for k, v in pre.items() if k.startswith("s-on"))
     for r in STORM:
         rid = r["id"]
