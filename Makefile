@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve test test-fast bench patches-check clean
+.PHONY: install install-gpu assets serve test test-fast bench bench-full patches-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,14 @@ test: assets
 
 test-fast: install
 	$(VPY) -m pytest -q -ra tests/core
+
+# Small versions of every benchmark (< 20 min on 2 cores); results in benchmarks/results/.
+bench: assets
+	$(VPY) benchmarks/bench_all.py --small
+
+# Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
+bench-full: assets
+	$(VPY) benchmarks/bench_all.py
 
 patches-check: install
 	$(VPY) -m vtoken.patches check
