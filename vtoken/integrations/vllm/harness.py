@@ -17,7 +17,7 @@ Spec (JSON)::
 Output (JSON): ``tokens`` (request id -> generated token ids), ``finish`` (id -> reason),
 ``free_blocks_start`` / ``free_blocks_end``, ``num_blocks``, ``steps``, ``vtoken``
 (scheduler stats and finished-request lifetime figures, when vToken is on),
-``max_running`` (most requests decoding together), ``num_preemptions``.
+``max_running`` (most requests decoding together).
 """
 
 from __future__ import annotations

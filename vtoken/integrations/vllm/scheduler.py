@@ -228,8 +228,14 @@ class VTokenScheduler(Scheduler):
             phys = max(phys, min(need, num_tokens))
         return num_tokens - phys
 
-    def _vt_target_blocks(self, st: RequestState) -> int:
-        dense = _cdiv(st.table.num_live, self._vt_bs)
+    def _vt_target_blocks(self, st: RequestState, upcoming: int = 0) -> int:
+        """Blocks the request should hold for its live tokens plus ``upcoming`` tokens.
+
+        Eviction keeps room for the one token a decoding request writes in this step
+        (``upcoming=1``), so a budget that is a multiple of the block size does not free a
+        block and allocate it back every step.
+        """
+        dense = _cdiv(st.table.num_live + upcoming, self._vt_bs)
         if st.cfg.mode == "naive":
             return max(dense, st.naive.num_retained_blocks)
         return dense
@@ -357,7 +363,7 @@ class VTokenScheduler(Scheduler):
             ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
             srcs.append(ids[plan.src // bs] * bs + plan.src % bs)
             dsts.append(ids[plan.dst // bs] * bs + plan.dst % bs)
-        keep = min(len(blocks), self._vt_target_blocks(st))
+        keep = min(len(blocks), self._vt_target_blocks(st, upcoming=1))
         freed = len(blocks) - keep
         if freed > 0:
             tail = blocks[keep:]
