@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in ("noevict", "evict"):
             labels.append(f"{m}\n{arm}")
             data.append(res[arm]["ratio_to_stock"])
-    ax.boxplot(data, labels=labels)
+    ax.boxplot(data, tick_labels=labels)
     for i, d in enumerate(data, 1):
         ax.scatter([i] * len(d), d, s=12, color="k", zorder=3)
     ax.axhline(1.0, color="grey", lw=0.8)

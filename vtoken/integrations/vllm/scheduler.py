@@ -75,6 +75,9 @@ class RequestState:
     #: decode forwards scheduled so far (1 = the first decode step); scores are computed on
     #: every prefill chunk and on decode steps d with d % score_every == 0 (as the oracle).
     decode_steps: int = 0
+    #: False when prompt + max_tokens can never exceed budget + slack: the request will
+    #: never evict, so no attention scores are computed for it (exact: they would go unused).
+    may_evict: bool = True
     # lifetime accounting (for retained-blocks figures)
     steps: int = 0
     held_block_steps: int = 0  # sum over scheduled steps of blocks held
@@ -211,6 +214,11 @@ class VTokenScheduler(Scheduler):
             naive=NaiveEvictCounter(self._vt_bs),
             prompt_len=prompt_len,
         )
+        max_tokens = getattr(request, "max_tokens", None)
+        if max_tokens is None and request.sampling_params is not None:
+            max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            st.may_evict = prompt_len + max_tokens > budget + st.slack
         self._vt_states[rid] = st
         return st
 
@@ -271,7 +279,7 @@ class VTokenScheduler(Scheduler):
             st.pstate.reset_slots(old, old + n)
             if st.decoding:
                 st.decode_steps += 1
-            if st.policy.needs != AttentionNeed.NONE and (
+            if st.may_evict and st.policy.needs != AttentionNeed.NONE and (
                 not st.decoding or st.decode_steps % st.cfg.score_every == 0
             ):
                 payload.scores[rid] = st.policy.needs.value
