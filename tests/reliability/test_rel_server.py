@@ -175,8 +175,10 @@ def test_bad_requests_and_disconnects_while_others_in_flight(server):
     _alive(server)
     m2 = _wait_idle(server)
     # every bad request was refused before reaching the engine: only the good ones (in flight,
-    # then solo) ran to their length; the disconnected streams did not
-    assert _finished(m2, "length") - _finished(m0, "length") == 2 * len(goods)
+    # then solo) ran to their length, plus at most the disconnected streams that the fast tiny
+    # model finished before the server saw the client go (a race, not an error)
+    ran = _finished(m2, "length") - _finished(m0, "length")
+    assert 2 * len(goods) <= ran <= 2 * len(goods) + len(disconnects), (ran, len(goods), len(disconnects))
 
 
 def test_many_disconnects_leave_no_block(server):
