@@ -76,9 +76,9 @@ def vllm_main() -> None:
 
         version._vtoken_wrapped = True  # type: ignore[attr-defined]
         md.version = version
-    from vllm.entrypoints.cli.main import main as vllm_cli_main
+    import vllm.entrypoints.cli.main as vllm_cli
 
-    sys.exit(vllm_cli_main())
+    sys.exit(vllm_cli.main())
 
 
 # ----------------------------------------------------------------------------- registry

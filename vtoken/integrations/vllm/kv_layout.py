@@ -57,7 +57,7 @@ def probe_cpu_layout(dtype: torch.dtype, isa: str, block_size: int, head_size: i
     Raises:
         RuntimeError: the probe did not find a bijection (an unsupported layout).
     """
-    from vllm import _custom_ops as ops
+    from vllm import _custom_ops
 
     if block_size > 255:
         raise RuntimeError(f"vToken's layout probe supports block_size <= 255, got {block_size}")
@@ -70,7 +70,7 @@ def probe_cpu_layout(dtype: torch.dtype, isa: str, block_size: int, head_size: i
         cache = torch.zeros(1, H, 2 * bs, hd, dtype=dtype)
         kc, vc = cache.chunk(2, dim=2)
         v = vals.to(dtype).contiguous()
-        ops.cpu_attn_reshape_and_cache(v, v, kc, vc, slots, isa)
+        _custom_ops.cpu_attn_reshape_and_cache(v, v, kc, vc, slots, isa)
         flat = cache.view(1, H, 2, bs * hd)[0, 0]
         return flat[0].float().round().long(), flat[1].float().round().long()
 
