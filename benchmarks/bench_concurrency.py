@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -37,12 +36,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    parse_size_args,
     PAPER_POLICIES,
-    RESULTS,
     cdiv,
     engine_kwargs,
     load_long_conversations,
-    run_engine,
     run_metadata,
     smollm2,
     tiny,
@@ -216,16 +214,9 @@ def run_mode(p: dict, mode: str, arms: list[dict], prompts_: list[list[int]], mo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--small", action="store_const", dest="size", const="small")
-    g.add_argument("--full", action="store_const", dest="size", const="full")
-    ap.set_defaults(size="full")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "concurrency")
     from tqdm import tqdm
 
-    out_path = args.out or RESULTS / f"concurrency_{args.size}.json"
     p = plan(args.size)
     t_start = time.perf_counter()
     model_dir = (tiny if p["model"] == "tiny" else smollm2)()

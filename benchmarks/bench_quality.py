@@ -27,7 +27,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -36,9 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    parse_size_args,
     ALL_POLICIES,
     PAPER_POLICIES,
-    RESULTS,
     cdiv,
     engine_kwargs,
     load_long_conversations,
@@ -202,16 +201,9 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--small", action="store_const", dest="size", const="small")
-    g.add_argument("--full", action="store_const", dest="size", const="full")
-    ap.set_defaults(size="full")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality")
     from tqdm import tqdm
 
-    out_path = args.out or RESULTS / f"quality_{args.size}.json"
     p = plan(args.size)
     t_start = time.perf_counter()
     o = p["oracle"]

@@ -33,7 +33,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -41,9 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    parse_size_args,
     ALL_POLICIES,
-    PAPER_POLICIES,
-    RESULTS,
     cdiv,
     engine_kwargs,
     load_long_conversations,
@@ -227,16 +225,9 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--small", action="store_const", dest="size", const="small")
-    g.add_argument("--full", action="store_const", dest="size", const="full")
-    ap.set_defaults(size="full")
-    ap.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/retained_blocks_<size>.json)")
-    args = ap.parse_args(argv)
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "retained_blocks")
     from tqdm import tqdm
 
-    out_path = args.out or RESULTS / f"retained_blocks_{args.size}.json"
     p = plan(args.size)
     t_start = time.perf_counter()
     result = dict(meta=run_metadata(benchmark="retained_blocks", size=args.size, seeds=dict(data_shuffle=SEED,

