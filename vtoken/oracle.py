@@ -28,6 +28,12 @@ is the sum over this step's query rows, ``last_row`` the last query row; both
 float64 ``[num_live]`` in the cache's (logical) order. Only what ``policy.needs``
 asks for is computed.
 
+``score_lag = L`` (async scheduling, :mod:`vtoken.score_lag`): the statistics of step
+``k`` (prefill = 0, decode ``d`` = step ``d``) are folded in just before the eviction
+decision of step ``k + 1 + L`` (remapped by logical position; tokens appended since get
+``NaN``), and a scoring policy starts evicting at decode step ``1 + L``. ``L = 0`` is the
+sync behaviour: each step's statistics are folded in before the next decision.
+
 ``cfg.score_every = s > 1`` (attention scores every ``s`` decode steps): the
 prefill is always scored; decode step ``d`` (``d = 1`` for the first decode
 forward) is scored iff ``d % s == 0``. Unscored steps do not call ``observe``
@@ -47,6 +53,7 @@ import torch
 
 from vtoken.config import VTokenConfig, effective_budget, num_to_evict
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
+from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from vtoken.policies.base import SlotState
@@ -183,6 +190,7 @@ def oracle_generate(
     ignore_eos: bool = True,
     return_logits: bool = False,
     policy: Optional[EvictionPolicy] = None,
+    score_lag: int = 0,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
 
@@ -201,13 +209,15 @@ def oracle_generate(
         return_logits: also return each step's float32 next-token logits.
         policy: an already built policy to use instead of the one ``cfg`` names
             (budget and slack still come from ``cfg``, which must then be given).
+        score_lag: request-steps by which attention statistics reach the policy late
+            (0: sync scheduling; 1: vLLM's async scheduling); see the module docstring.
 
     Returns:
         :class:`OracleResult`.
 
     Raises:
         ValueError: empty prompt, ``max_new_tokens < 1``, a non-eager model, a
-            sliding-window cache layer, or ``policy`` without ``cfg``.
+            sliding-window cache layer, ``policy`` without ``cfg``, or ``score_lag < 0``.
         RuntimeError: the policy returned invalid victims (out of range, duplicates).
     """
     _check_model(model)
@@ -234,6 +244,8 @@ def oracle_generate(
     state: Optional["SlotState"] = None
     need = AttentionNeed.NONE
     score_every = 1
+    lagq = ScoreLagQueue(score_lag)
+    first_evict = 1
     if cfg is not None:
         budget = effective_budget(cfg, P)
         slack = cfg.resolved_slack()
@@ -242,6 +254,7 @@ def oracle_generate(
         state = policy.init_state()
         need = policy.needs
         score_every = cfg.score_every
+        first_evict = first_evicting_decode_step(need, score_lag)
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
@@ -258,7 +271,7 @@ def oracle_generate(
     stop_reason = "length"
     empty = np.zeros(0, dtype=np.int64)
 
-    def forward(ids: list[int], positions: np.ndarray, scored: bool) -> torch.Tensor:
+    def forward(ids: list[int], positions: np.ndarray, scored: bool, step: int) -> torch.Tensor:
         n_before = _cache_len(cache) if cache.get_seq_length() > 0 else 0
         q = len(ids)
         want_attn = scored and bool(need & (AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW))
@@ -273,11 +286,21 @@ def oracle_generate(
         )
         if _cache_len(cache) != n_before + q:  # pragma: no cover - a transformers change
             raise RuntimeError("oracle_generate: the cache did not grow by the step's tokens")
-        if state is not None and (scored or need == AttentionNeed.NONE):
-            stats = attention_stats(out.attentions, need) if want_attn else AttentionStats()
+        if state is not None and want_attn:
+            lagq.expect(step, logical_pos, sampled=True)
+            lagq.deliver(step, attention_stats(out.attentions, need))
+            if score_lag == 0:  # sync: fold in now (same state as just before the next decision)
+                fold_lagged(step + 1)
+        elif state is not None and need == AttentionNeed.NONE:
             view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P)
-            policy.observe(state, len(logical_pos), stats, view)
+            policy.observe(state, len(logical_pos), AttentionStats(), view)
         return out.logits[0, -1]
+
+    def fold_lagged(step: int) -> None:
+        for e in lagq.ready(step):
+            view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P)
+            stats = remap_stats(e.stats, e.logical_pos, logical_pos, num_logical)
+            policy.observe(state, len(logical_pos), stats, view)
 
     def sample(logits: torch.Tensor) -> int:
         if res_logits is not None:
@@ -288,7 +311,7 @@ def oracle_generate(
         # ---- prefill: the whole prompt, no eviction ----
         if state is not None:
             state.reset_slots(0, P)
-        tok = sample(forward(prompt, logical_pos.copy(), scored=True))
+        tok = sample(forward(prompt, logical_pos.copy(), scored=True, step=0))
         out_tokens.append(tok)
         res_live.append(len(logical_pos))
         res_logical.append(num_logical)
@@ -301,7 +324,8 @@ def oracle_generate(
             evicted = empty
             n = len(logical_pos)
             if state is not None:
-                k = num_to_evict(n, budget, slack)
+                fold_lagged(d)
+                k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
                     view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P)
                     victims = np.asarray(policy.select_victims(state, view, k), dtype=np.int64)
@@ -326,7 +350,7 @@ def oracle_generate(
             logical_pos = np.concatenate([logical_pos, new_pos])
             num_logical += 1
             scored = d % score_every == 0
-            tok = sample(forward([tok], new_pos, scored=scored))
+            tok = sample(forward([tok], new_pos, scored=scored, step=d))
             out_tokens.append(tok)
             res_live.append(len(logical_pos))
             res_logical.append(num_logical)

@@ -23,6 +23,11 @@ probabilities averaged over all layers and all query heads:
   (the final prompt token at prefill, the decode token at decode) (TOVA, Scissorhands).
 
 Both include the keys written in the same step (the step's own tokens).
+
+Under async scheduling the statistics reach the policy one step late, remapped onto the
+current slots (:mod:`vtoken.score_lag`): a slot the step did not cover (a token appended
+since) holds ``NaN``, and ``AttentionStats.num_keys`` gives the number of keys the step
+attended over. ``observe`` must leave ``NaN`` slots untouched.
 """
 
 from __future__ import annotations
@@ -56,10 +61,14 @@ class AttentionStats:
         col_sum: float64 ``[num_keys]`` or None when not requested.
         last_row: float64 ``[num_keys]`` or None when the step sampled no token
             (a non-final prefill chunk) or when not requested.
+        num_keys: keys the step attended over, when it differs from the arrays' length
+            (statistics remapped after a repack, :func:`vtoken.score_lag.remap_stats`);
+            None: the arrays' length. Entries may then be ``NaN`` (slot not covered).
     """
 
     col_sum: Optional[np.ndarray] = None
     last_row: Optional[np.ndarray] = None
+    num_keys: Optional[int] = None
 
 
 class SlotState:

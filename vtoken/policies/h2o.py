@@ -62,7 +62,7 @@ class H2OPolicy(EvictionPolicy):
         if col.shape != (num_live,):
             raise ValueError(f"h2o: col_sum has shape {col.shape}; expected ({num_live},)")
         state.ensure_capacity(num_live)
-        state["acc"][:num_live] += col
+        state["acc"][:num_live] += np.nan_to_num(col, nan=0.0)  # NaN: slot not covered (lagged stats)
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return state["acc"][: view.num_live].copy()

@@ -128,7 +128,8 @@ class ScissorhandsPolicy(EvictionPolicy):
         hist = state["hist"]
         r = int(state.extra.get("ring", 0)) % self.window
         hist[r, :] = False
-        hist[r, :num_live] = row < 1.0 / num_live
+        t = stats.num_keys or num_live  # keys attended at that step
+        hist[r, :num_live] = row < 1.0 / t  # NaN (slot not covered) compares False: counts 0
         state.extra["ring"] = (r + 1) % self.window
 
     def counts(self, state: SlotState, view: TokenView) -> np.ndarray:

@@ -54,7 +54,9 @@ class TOVAPolicy(EvictionPolicy):
         if row.shape != (num_live,):
             raise ValueError(f"tova: last_row has shape {row.shape}; expected ({num_live},)")
         state.ensure_capacity(num_live)
-        state["last"][:num_live] = row
+        last = state["last"][:num_live]
+        covered = ~np.isnan(row)  # NaN: slot not covered by this step (lagged stats)
+        last[covered] = row[covered]
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return state["last"][: view.num_live].copy()

@@ -102,10 +102,28 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         steps=step,
         wall_s=wall,
         max_running=max_running,
+        paths=_execution_path(llm, core),
     )
     if hasattr(sched, "vt_stats"):
         out["vtoken"] = dict(stats=sched.vt_stats.as_dict(), finished=sched.vt_finished)
     return out
+
+
+def _execution_path(llm, core) -> dict[str, Any]:
+    """Which scheduler, model runner and scheduling mode the engine actually runs."""
+    vc = llm.llm_engine.vllm_config
+    runner = None
+    try:
+        runner = type(core.model_executor.driver_worker.worker.model_runner)
+    except AttributeError:  # multiprocess executor: the runner lives in another process
+        pass
+    return dict(
+        scheduler=f"{type(core.scheduler).__module__}.{type(core.scheduler).__qualname__}",
+        runner=None if runner is None else f"{runner.__module__}.{runner.__qualname__}",
+        use_v2_model_runner=bool(vc.use_v2_model_runner),
+        async_scheduling=bool(vc.scheduler_config.async_scheduling),
+        batch_queue=core.batch_queue_size,
+    )
 
 
 def run_in_subprocess(spec: dict[str, Any], *, env: dict[str, str] | None = None, timeout: float = 900) -> dict[str, Any]:

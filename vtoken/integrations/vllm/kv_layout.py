@@ -12,7 +12,13 @@ The maps are **probed**, not hard-coded: once per (dtype, isa, block_size, head_
 we write known values through the upstream packing op
 (``vllm._custom_ops.cpu_attn_reshape_and_cache``, patches/ entry
 ``vllm._custom_ops.cpu_attn_reshape_and_cache``) into a scratch block and read back
-where each (offset, dim) landed. A self-check at start-up round-trips random tokens.
+where each (offset, dim) landed (``tests/integration/test_kv_layout.py`` round-trips
+random tokens through the upstream op for each probed layout).
+
+The worker reaches a backend's layout only through the :class:`KVLayout` interface
+(move tokens, read keys); :class:`CPUKVLayout` implements it for the probed CPU layout.
+A GPU layout (FlashAttention's ``[num_blocks, block_size, num_kv_heads, head_size]`` views)
+implements the same three methods.
 
 Example (block size 4, one head, ``vec`` K layout, head_size 2)::
 
@@ -22,12 +28,13 @@ Example (block size 4, one head, ``vec`` K layout, head_size 2)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 
-__all__ = ["TokenLayout", "probe_cpu_layout", "move_tokens_cpu", "gather_keys_cpu"]
+__all__ = ["KVLayout", "CPUKVLayout", "TokenLayout", "probe_cpu_layout", "move_tokens_cpu", "gather_keys_cpu", "cpu_kv_layout"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +142,52 @@ def gather_keys_cpu(kv_cache: torch.Tensor, layout: TokenLayout, block_ids: torc
     b = block_ids[s // bs]
     k = kr[b[:, None], layout.idx_k[s % bs]]  # [n, hd, H]
     return k.permute(2, 0, 1).float()
+
+
+class KVLayout(Protocol):
+    """Token addressing in one attention backend's per-layer KV cache (the worker's only view of it).
+
+    Slots are global: ``block_id * block_size + offset``.
+    """
+
+    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K and V of slots ``src`` to slots ``dst`` (int64 ``[M]``, disjoint), in place."""
+
+    def gather_keys(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """float32 ``[num_kv_heads, num_tokens, head_size]``: keys of a request's slots ``0..num_tokens-1``."""
+
+    def gather_keys_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """float32 ``[R, num_kv_heads, n, head_size]``: keys at ``blocks[r, i]``, offset ``offsets[i]``.
+
+        ``blocks``: int64 ``[R, n]`` block ids; ``offsets``: int64 ``[n]`` in-block offsets.
+        """
+
+
+@dataclass
+class CPUKVLayout:
+    """:class:`KVLayout` of vLLM's CPU attention backend, from the probed :class:`TokenLayout`."""
+
+    token_layout: TokenLayout
+    _idx_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def block_size(self) -> int:
+        return self.token_layout.block_size
+
+    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        move_tokens_cpu(kv_cache, self.token_layout, src, dst)
+
+    def gather_keys(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        return gather_keys_cpu(kv_cache, self.token_layout, block_ids, num_tokens)
+
+    def gather_keys_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        idx = self.token_layout.idx_k[offsets]  # [n, hd]
+        kr, _ = _regions(kv_cache)  # [nb, bs*hd, Hkv]
+        k = kr[blocks[:, :, None], idx[None]]  # [R, n, hd, Hkv]
+        return k.permute(0, 3, 1, 2).float()
+
+
+@lru_cache(maxsize=None)
+def cpu_kv_layout(dtype: torch.dtype, isa: str, block_size: int, head_size: int, num_kv_heads: int = 1) -> CPUKVLayout:
+    """The :class:`CPUKVLayout` for one (dtype, ISA, block size, head size) (probed once)."""
+    return CPUKVLayout(probe_cpu_layout(dtype, isa, block_size, head_size, num_kv_heads))

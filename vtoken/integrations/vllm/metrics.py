@@ -18,10 +18,11 @@ name                                kind     meaning
 ``vtoken:evictions_total``          counter  eviction events (one per request and step)
 ``vtoken:repack_seconds_total``     counter  scheduler time spent choosing victims and planning
 ``vtoken:preemption_resets_total``  counter  vToken states dropped because vLLM preempted a request
+``vtoken:request_faults_total``     counter  requests whose eviction was turned off by a fault confined to them
 ==================================  =======  =================================================
 
-Gauges are the state after the last ``schedule()`` (and after the engine goes idle, see
-:meth:`VTokenMetrics.attach`); counters are mirrored from the scheduler's monotonic
+Gauges are the state after the last ``schedule()`` (and after the engine goes idle: the
+scheduler publishes once more when its last request finishes or is aborted); counters are mirrored from the scheduler's monotonic
 :class:`~vtoken.integrations.vllm.scheduler.VTokenStats`.
 
 The bridge between processes
@@ -72,6 +73,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:evictions": ("evictions", "Eviction events (one per request and step)."),
     "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves."),
     "vtoken:preemption_resets": ("preemption_resets", "vToken request states dropped because of preemption."),
+    "vtoken:request_faults": ("request_faults",
+                              "Requests whose eviction was turned off by a fault confined to them (see the log)."),
 }
 
 _LABELS = ["model_name", "engine"]
@@ -169,25 +172,3 @@ class VTokenMetrics:
             if d > 0:
                 c.inc(d)
                 self._last[f] = v
-
-    def attach(self, scheduler) -> "VTokenMetrics":
-        """Also refresh the gauges when the scheduler goes idle.
-
-        The EngineCore calls ``schedule()`` only while it has requests, so after the
-        last request finishes (in ``update_from_output``) or is aborted (in
-        ``finish_requests``) the gauges would keep the last busy step's values. This
-        wraps those two methods on the instance (not the class) to recompute the gauges
-        with the scheduler's ``_vt_update_gauges`` and publish them when no request is left.
-        """
-        for meth in ("update_from_output", "finish_requests"):
-            orig = getattr(scheduler, meth)
-
-            def wrapped(*args, _orig=orig, **kwargs):
-                res = _orig(*args, **kwargs)
-                if not scheduler.has_requests():
-                    scheduler._vt_update_gauges()
-                    self.update(scheduler.vt_stats)
-                return res
-
-            setattr(scheduler, meth, wrapped)
-        return self

@@ -35,16 +35,24 @@ class StepPayload:
         src, dst: int64 ``[M]`` global slot ids (``block_id * block_size + offset``)
             of all token moves of this step, every request concatenated; disjoint.
         truncate: req_id -> number of blocks the request keeps (a prefix of its row).
+        kept_blocks: req_id -> the block ids it keeps (Model Runner V2 keeps no host copy
+            of its block tables, so it rewrites the row from these).
         offsets: req_id -> new offset (logical tokens minus live tokens); 0 resets.
         scores: req_id -> ``AttentionNeed`` value (int) of the statistics to compute
             for that request in this step.
+        score_steps: req_id -> (state generation, request-step index) of this step's
+            scores; scheduler-side bookkeeping (the worker ignores it) that files the
+            statistics under the step they came from when they return, possibly a step
+            late under async scheduling.
     """
 
     src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     truncate: dict[str, int] = field(default_factory=dict)
+    kept_blocks: dict[str, list[int]] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)
     scores: dict[str, int] = field(default_factory=dict)
+    score_steps: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_moves(self) -> int:

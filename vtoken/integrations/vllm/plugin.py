@@ -10,21 +10,24 @@ acts on requests that carry such keys.
 
 With ``vtoken`` set, the wrapper validates the config (pydantic; errors name the field,
 the value and what is allowed), refuses what vToken cannot support yet (naming the
-option), turns prefix caching off with one warning, forces the V1 model runner and
-synchronous scheduling, and sets the scheduler and worker classes.
+option), turns prefix caching off with one warning, and sets the scheduler and worker
+classes. It follows vLLM's own choice of model runner (V1 or Model Runner V2) and of
+scheduling (sync or async): the scheduler class is :class:`VTokenAsyncScheduler` exactly
+when vLLM resolved ``async_scheduling`` to True, and the worker builds the adapter of the
+runner vLLM picked. Nothing about either is changed.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 from vtoken.config import VTokenConfigError, parse_config, parse_request_overrides
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
 SCHEDULER_CLS = "vtoken.integrations.vllm.scheduler.VTokenScheduler"
+ASYNC_SCHEDULER_CLS = "vtoken.integrations.vllm.scheduler.VTokenAsyncScheduler"
 CPU_WORKER_CLS = "vtoken.integrations.vllm.worker.VTokenCPUWorker"
 
 _registered = False
@@ -86,8 +89,6 @@ def _wrap_create_engine_config() -> None:
                 "changes block contents, so block hashes would lie"
             )
             self.enable_prefix_caching = False
-        self.async_scheduling = False
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         vcfg = orig(self, *args, **kwargs)
         _check_model(vcfg)
         from vllm.platforms import current_platform
@@ -97,7 +98,11 @@ def _wrap_create_engine_config() -> None:
                 "vToken's integration currently runs on the CPU backend only (the GPU path is a later milestone)"
             )
         _check_block_size(vcfg.cache_config.block_size)
-        vcfg.scheduler_config.scheduler_cls = SCHEDULER_CLS
+        if vcfg.scheduler_config.scheduler_cls is not None:
+            _refuse("scheduler_cls", vcfg.scheduler_config.scheduler_cls,
+                    "vToken installs its own scheduler (a subclass of vLLM's Scheduler / AsyncScheduler)")
+        is_async = bool(vcfg.scheduler_config.async_scheduling)
+        vcfg.scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = CPU_WORKER_CLS
         vcfg.additional_config["vtoken"] = cfg.model_dump()
         # /metrics (front end) must see the EngineCore's vtoken: metrics: Prometheus
@@ -106,10 +111,12 @@ def _wrap_create_engine_config() -> None:
 
         setup_prometheus_bridge()
         logger.info(
-            "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s",
+            "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s "
+            "model_runner=%s scheduling=%s",
             cfg.mode, cfg.policy, cfg.budget,
             f" (ratio {cfg.budget_ratio})" if cfg.budget_ratio else "",
             cfg.resolved_slack(), cfg.protections(), vcfg.cache_config.block_size,
+            "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync",
         )
         return vcfg
 

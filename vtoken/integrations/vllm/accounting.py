@@ -1,0 +1,83 @@
+"""Block accounting: how many KV blocks a vToken request holds, and the KV manager that obeys it.
+
+:class:`BlockAccounting` turns a request's logical token count into the slots to allocate
+(live tokens under ``mode: vtoken``; Naive-Evict's retained blocks under ``mode: naive``).
+:class:`VTokenFullAttentionManager` (a ``FullAttentionManager`` subclass, patches/ entry
+``vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager``) asks it; it reads only
+the request states, never the scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+from vtoken.integrations.vllm.state import RequestState, cdiv
+
+__all__ = ["BlockAccounting", "VTokenFullAttentionManager"]
+
+
+class BlockAccounting:
+    """Blocks per request under vToken or Naive-Evict.
+
+    Args:
+        states: request id -> :class:`RequestState` (the scheduler's dict, read only).
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, states: Mapping[str, RequestState], block_size: int):
+        self.states = states
+        self.block_size = block_size
+
+    def delta(self, request_id: str, num_tokens: int) -> int:
+        """Tokens to subtract from a logical token count to get the slots to allocate."""
+        st = self.states.get(request_id)
+        if st is None or st.table.offset == 0 and st.cfg.mode == "vtoken":
+            return 0
+        phys = num_tokens - st.table.offset
+        if st.cfg.mode == "naive":
+            bs = self.block_size
+            extra_blocks = max(0, cdiv(num_tokens, bs) - cdiv(st.naive.num_logical, bs))
+            need = (st.naive.num_retained_blocks + extra_blocks) * bs
+            phys = max(phys, min(need, num_tokens))
+        return num_tokens - phys
+
+    def target_blocks(self, st: RequestState, upcoming: int = 0) -> int:
+        """Blocks the request should hold for its live tokens plus ``upcoming`` tokens.
+
+        Eviction keeps room for the one token a decoding request writes in this step
+        (``upcoming=1``), so a budget that is a multiple of the block size does not free a
+        block and allocate it back every step.
+        """
+        dense = cdiv(st.table.num_live + upcoming, self.block_size)
+        if st.cfg.mode == "naive":
+            return max(dense, st.naive.num_retained_blocks)
+        return dense
+
+
+class VTokenFullAttentionManager(FullAttentionManager):
+    """Full-attention KV manager whose allocation counts live (physical) tokens.
+
+    Installed by ``__class__`` swap on the scheduler's manager (the spec registry refuses a
+    second ``FullAttentionSpec`` manager). Token counts arrive logical;
+    ``BlockAccounting.delta`` (tokens) is subtracted so blocks cover ``live + new`` tokens
+    under vToken, or Naive-Evict's retained blocks under ``naive``.
+    """
+
+    _vt_accounting: BlockAccounting
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
+        d = self._vt_accounting.delta(request_id, num_tokens)
+        if d:
+            num_tokens -= d
+            total_computed_tokens = max(total_computed_tokens - d, 0)
+            num_local_computed_tokens = max(num_local_computed_tokens - d, 0)
+            num_tokens_main_model -= d
+        return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                                  num_local_computed_tokens, num_tokens_main_model, *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
+        d = self._vt_accounting.delta(request_id, num_tokens)
+        return super().allocate_new_blocks(request_id, num_tokens - d, num_tokens_main_model - d, *args, **kwargs)

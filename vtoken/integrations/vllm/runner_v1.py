@@ -1,0 +1,80 @@
+"""vToken adapter for vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
+and its CPU subclass ``vllm.v1.worker.cpu_model_runner.CPUModelRunner``).
+
+Seams (patches/ entries under ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``):
+
+* ``_update_states``: before the stock method (so before the forward and any KV write),
+  :meth:`~vtoken.integrations.vllm.worker_core.VTokenWorkerCore.begin_step` applies the
+  moves; the request's ``block_ids`` and its row of the input batch's block table are cut
+  to the kept prefix.
+* ``_prepare_inputs``: after the stock method, ``seq_lens`` (and the pinned
+  ``optimistic_seq_lens_cpu``) and the slot mapping become physical (``position - offset``)
+  while ``positions`` stay logical. The V1 sampler reads neither buffer, so subtracting in
+  place is safe here (unlike Model Runner V2, see ``runner_v2.py``).
+* ``sample_tokens``: the step's attention statistics ride on its output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vtoken.integrations.vllm.kv_layout import KVLayout, cpu_kv_layout
+from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
+
+__all__ = ["VTokenCPUModelRunner", "cpu_layout_for"]
+
+
+def cpu_layout_for(layer, kv_cache: torch.Tensor) -> KVLayout:
+    """The CPU attention backend's layout of one layer (``[num_blocks, H, block_size, 2*hd]``)."""
+    nb, H, bs, two_hd = kv_cache.shape
+    return cpu_kv_layout(kv_cache.dtype, layer.isa, bs, two_hd // 2, H)
+
+
+class VTokenCPUModelRunner(CPUModelRunner):
+    """V1 ``CPUModelRunner`` with vToken's moves, physical addressing and scores (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._vt = VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self._vt.wrap_attention()
+
+    def _update_states(self, scheduler_output):
+        p = getattr(scheduler_output, "vtoken", None)
+        self._vt.begin_step(p, scheduler_output.finished_req_ids)
+        if p is not None:
+            for rid, keep in p.truncate.items():
+                rs = self.requests.get(rid)
+                if rs is None:
+                    continue
+                for ids in rs.block_ids:
+                    del ids[keep:]
+                idx = self.input_batch.req_id_to_index.get(rid)
+                if idx is not None:
+                    self.input_batch.block_table.add_row(rs.block_ids, idx)
+        return super()._update_states(scheduler_output)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        res = super()._prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        num_reqs = self.input_batch.num_reqs
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        off = self._vt.batch_offsets(req_ids)
+        if off is not None:
+            T = int(scheduler_output.total_num_scheduled_tokens)
+            off_t = torch.from_numpy(off)
+            self.seq_lens[:num_reqs] -= off_t.to(self.seq_lens.dtype)
+            self.optimistic_seq_lens_cpu[:num_reqs] -= off_t.to(self.optimistic_seq_lens_cpu.dtype)
+            per_tok = torch.from_numpy(np.repeat(off, num_scheduled_tokens[:num_reqs]))
+            phys = self.positions[:T] - per_tok.to(self.positions.dtype)
+            self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], phys)
+        self._vt.start_scoring(req_ids)
+        return res
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        return self._vt.attach_scores(out, self._vt.take_scores())

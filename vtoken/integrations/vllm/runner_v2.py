@@ -1,0 +1,107 @@
+"""vToken adapter for vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``
+and its CPU subclass ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``).
+
+Seams (patches/ entries under ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``):
+
+* ``finish_requests``: offsets of finished and preempted requests are dropped.
+* ``update_requests``: before the stock method (which appends this step's new blocks, zeroes
+  fresh blocks and applies copy-on-write copies) and so before any KV write of the step,
+  :meth:`~vtoken.integrations.vllm.worker_core.VTokenWorkerCore.begin_step` applies the
+  moves, and each truncated row is rewritten from the kept block ids
+  (``BlockTables.append_block_ids(..., overwrite=True)``: Model Runner V2 keeps no host copy
+  of its block tables, so the payload carries the ids).
+* ``prepare_attn``: the slot mapping is computed from **physical** positions
+  (``dataclasses.replace(input_batch, positions=physical)``); everything else, RoPE and the
+  sampler included, keeps the logical ``input_batch.positions``.
+* ``model_state.prepare_attn`` (wrapped per instance in ``load_model``): attention metadata is
+  built from physical ``seq_lens`` and ``seq_lens_cpu_upper_bound`` held in separate
+  tensors. ``input_batch.seq_lens`` itself stays logical: Model Runner V2's
+  ``combine_sampled_and_draft_tokens`` and its sampler classify a row as a chunked prefill
+  when ``seq_len < prefill_len``, so a physical value there would silently drop the sampled
+  token of every request whose live tokens fall below its prompt length.
+* ``sample_tokens``: the step's attention statistics ride on its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import torch
+
+from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+
+from vtoken.integrations.vllm.runner_v1 import cpu_layout_for
+from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
+
+__all__ = ["VTokenCPUModelRunnerV2"]
+
+
+class VTokenCPUModelRunnerV2(CPUModelRunnerV2):
+    """Model Runner V2 ``CPUModelRunner`` with vToken (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._vt = VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
+        #: this step's per-row offsets (batch order), set by prepare_attn for the metadata build
+        self._vt_batch_off: Optional[np.ndarray] = None
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self._vt.wrap_attention()
+        ms = self.model_state
+        orig = ms.prepare_attn
+        runner = self
+
+        def prepare_attn(input_batch, *a, **kw):
+            off, runner._vt_batch_off = runner._vt_batch_off, None
+            if off is not None:
+                input_batch = runner._vt_physical_seq_lens(input_batch, off)
+            return orig(input_batch, *a, **kw)
+
+        ms.prepare_attn = prepare_attn
+
+    # -------------------------------------------------------------- per step
+    def finish_requests(self, scheduler_output) -> None:
+        super().finish_requests(scheduler_output)
+        self._vt.forget(scheduler_output.finished_req_ids)
+        self._vt.forget(scheduler_output.preempted_req_ids or ())
+
+    def update_requests(self, scheduler_output) -> None:
+        p = getattr(scheduler_output, "vtoken", None)
+        self._vt.begin_step(p)
+        if p is not None:
+            for rid, kept in p.kept_blocks.items():
+                idx = self.req_states.req_id_to_index.get(rid)
+                if idx is not None:
+                    self.block_tables.append_block_ids(idx, (list(kept),), overwrite=True)
+        super().update_requests(scheduler_output)
+
+    def prepare_attn(self, input_batch):
+        req_ids = list(input_batch.req_ids[: input_batch.num_reqs])
+        off = self._vt.batch_offsets(req_ids)
+        self._vt_batch_off = off
+        self._vt.start_scoring(req_ids)
+        if off is None:
+            return super().prepare_attn(input_batch)
+        n_tok = input_batch.num_tokens
+        per_tok = np.zeros(input_batch.positions.shape[0], dtype=np.int64)
+        per_tok[:n_tok] = np.repeat(off, np.asarray(input_batch.num_scheduled_tokens[: len(req_ids)]))
+        phys = input_batch.positions - torch.from_numpy(per_tok).to(input_batch.positions.device,
+                                                                    input_batch.positions.dtype)
+        return super().prepare_attn(dataclasses.replace(input_batch, positions=phys))
+
+    def _vt_physical_seq_lens(self, input_batch, off: np.ndarray):
+        """A copy of ``input_batch`` whose ``seq_lens`` / upper bound are physical (new tensors)."""
+        n = len(off)
+        off_t = torch.from_numpy(off)
+        seq_lens = input_batch.seq_lens.clone()
+        seq_lens[:n] -= off_t.to(seq_lens.device, seq_lens.dtype)
+        ub = input_batch.seq_lens_cpu_upper_bound.clone()
+        ub[:n] -= off_t.to(ub.dtype)
+        return dataclasses.replace(input_batch, seq_lens=seq_lens, seq_lens_cpu_upper_bound=ub)
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        return self._vt.attach_scores(out, self._vt.take_scores())

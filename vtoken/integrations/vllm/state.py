@@ -1,0 +1,106 @@
+"""vToken's per-request and engine-wide state in the scheduler (plain data, no vLLM import).
+
+:class:`RequestState` holds one request's token table, Naive-Evict accounting, policy
+state and the queue of attention statistics still to fold in
+(:class:`~vtoken.score_lag.ScoreLagQueue`); :class:`VTokenStats` the engine-wide counters
+and gauges exported as ``vtoken:`` metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from vtoken.config import VTokenConfig
+from vtoken.policies.base import EvictionPolicy, SlotState
+from vtoken.repack import NaiveEvictCounter
+from vtoken.score_lag import ScoreLagQueue
+from vtoken.token_table import TokenTable
+
+__all__ = ["RequestState", "VTokenStats", "cdiv"]
+
+_generation = itertools.count(1)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+@dataclass
+class RequestState:
+    """vToken's state for one request (keyed by request id, never by batch row).
+
+    A new state is made when a request is first scheduled and again when it resumes after a
+    preemption (it then re-prefills all its logical tokens); ``generation`` tells the two
+    apart, so an in-flight step's statistics never reach a state made after it.
+    """
+
+    cfg: VTokenConfig
+    budget: int  # tokens
+    slack: int  # tokens
+    policy: EvictionPolicy
+    pstate: SlotState
+    table: TokenTable
+    naive: NaiveEvictCounter
+    prompt_len: int
+    lag: ScoreLagQueue
+    #: first decode step (1 = the first decode forward) at which eviction may run
+    #: (:func:`vtoken.score_lag.first_evicting_decode_step`).
+    first_evict: int = 1
+    #: set once a scheduled step completes the (re-)prefill, i.e. samples a token; decided
+    #: at schedule time, so async scheduling starts eviction at the same step as sync.
+    decoding: bool = False
+    #: decode forwards scheduled so far (1 = the first decode step); scores are computed on
+    #: every prefill chunk and on decode steps d with d % score_every == 0 (as the oracle).
+    decode_steps: int = 0
+    #: False when prompt + max_tokens can never exceed budget + slack: the request will
+    #: never evict, so no attention scores are computed for it (exact: they would go unused).
+    may_evict: bool = True
+    #: set when a fault confined to this request turned its eviction off (it keeps running).
+    faulted: bool = False
+    generation: int = field(default_factory=lambda: next(_generation))
+    # lifetime accounting (for retained-blocks figures); ``steps`` is also the request-step index
+    steps: int = 0
+    held_block_steps: int = 0  # sum over scheduled steps of blocks held
+    peak_blocks: int = 0
+    naive_block_steps: int = 0  # the same for Naive-Evict's retained blocks
+    naive_peak_blocks: int = 0
+    full_block_steps: int = 0  # the same with no eviction: ceil(logical/B)
+    full_peak_blocks: int = 0
+    evicted: int = 0
+    moved: int = 0
+
+    def lifetime(self, req_id: str) -> dict[str, Any]:
+        """The finished request's lifetime figures (blocks are time averages over its steps)."""
+        n = max(self.steps, 1)
+        return dict(
+            req_id=req_id, steps=self.steps, mode=self.cfg.mode, policy=self.cfg.policy, budget=self.budget,
+            prompt_len=self.prompt_len, avg_blocks=self.held_block_steps / n, peak_blocks=self.peak_blocks,
+            naive_avg_blocks=self.naive_block_steps / n, naive_peak_blocks=self.naive_peak_blocks,
+            full_avg_blocks=self.full_block_steps / n, full_peak_blocks=self.full_peak_blocks,
+            evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
+        )
+
+
+@dataclass
+class VTokenStats:
+    """Engine-wide counters (monotonic) and gauges (last step), exported as ``vtoken:`` metrics."""
+
+    evicted_tokens: int = 0
+    moved_tokens: int = 0
+    freed_blocks: int = 0
+    evictions: int = 0
+    repack_seconds: float = 0.0
+    preemption_resets: int = 0
+    request_faults: int = 0
+    live_tokens: int = 0
+    logical_tokens: int = 0
+    retained_blocks: int = 0
+    naive_retained_blocks: int = 0
+    dense_blocks: int = 0
+    num_evicting_requests: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
