@@ -1,4 +1,8 @@
-"""vToken inside a real vLLM engine (CPU), against the dense oracle and stock vLLM.
+"""vToken inside a real vLLM engine (CPU), against the dense oracle and stock vLLM, on every
+execution path vLLM can pick (``tests/execution_paths.py``): the V1 runner with sync
+scheduling, Model Runner V2 with sync scheduling, and Model Runner V2 with async scheduling
+(vLLM's default on GPUs). Under async scheduling the attention statistics reach the policies
+one step late, and the oracle replays the same lag (``score_lag=1``).
 
 Engines are expensive (~10-30 s each), so each fixture runs one engine over a whole
 batch of requests in a subprocess (``vtoken.integrations.vllm.harness``) and the tests
@@ -17,6 +21,8 @@ import pytest
 from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import parse_config, parse_request_overrides
 from vtoken.integrations.vllm.harness import run_in_subprocess
+
+from execution_paths import EXPECTED, PATHS, SCORE_LAG, path_env
 
 pytestmark = pytest.mark.engine
 
@@ -53,6 +59,31 @@ def tiny() -> str:
     return str(ensure_tiny_model())
 
 
+@pytest.fixture(scope="module", params=PATHS)
+def path(request) -> str:
+    """The execution path of the engine runs below (module-scoped: one set of engines per path)."""
+    return request.param
+
+
+_oracle_cache: dict = {}
+
+
+def _oracle_tokens(tiny: str, prompt: list[int], new_tokens: int, cfg, lag: int) -> list[int]:
+    """Greedy tokens of the dense oracle (cached across paths: v1-sync and mrv2-sync share lag 0)."""
+    import torch
+
+    from vtoken.oracle import load_oracle_model, oracle_generate
+
+    key = (tuple(prompt), new_tokens, cfg.model_dump_json(), lag)
+    if key not in _oracle_cache:
+        if "model" not in _oracle_cache:
+            torch.set_num_threads(2)
+            _oracle_cache["model"] = load_oracle_model(tiny)
+        ref = oracle_generate(_oracle_cache["model"], prompt, new_tokens, cfg, score_lag=lag)
+        _oracle_cache[key] = list(ref.token_ids)
+    return _oracle_cache[key]
+
+
 @pytest.fixture(scope="module")
 def plain_requests() -> list[dict]:
     return [dict(id=f"p{i}", prompt_token_ids=_prompt(i, n), max_tokens=NEW_TOKENS) for i, n in enumerate([5, 33, 70, 150])]
@@ -60,20 +91,27 @@ def plain_requests() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stock_run(tiny, plain_requests):
-    """vLLM with the plugin not loaded at all."""
+    """vLLM with the plugin not loaded at all (V1 runner, sync scheduling)."""
     return run_in_subprocess(dict(engine=_engine(tiny), vtoken=None, requests=plain_requests, check=False),
                              env={"VLLM_PLUGINS": ""})
 
 
 @pytest.fixture(scope="module")
-def eviction_run(tiny):
-    return run_in_subprocess(dict(engine=_engine(tiny), vtoken=BASE_VTOKEN, requests=_eviction_requests()))
+def eviction_run(tiny, path):
+    return run_in_subprocess(dict(engine=_engine(tiny), vtoken=BASE_VTOKEN, requests=_eviction_requests()),
+                             env=path_env(path))
 
 
 @pytest.fixture(scope="module")
-def naive_run(tiny):
+def naive_run(tiny, path):
     return run_in_subprocess(dict(engine=_engine(tiny), vtoken=dict(BASE_VTOKEN, mode="naive"),
-                                  requests=_eviction_requests()))
+                                  requests=_eviction_requests()), env=path_env(path))
+
+
+def test_runs_on_the_requested_path(path, eviction_run, naive_run):
+    """vToken follows vLLM's choice: the scheduler and runner classes match the path, nothing forced."""
+    assert eviction_run["paths"] == EXPECTED[path]
+    assert naive_run["paths"] == EXPECTED[path]
 
 
 def test_plugin_inert_without_vtoken_key(tiny, plain_requests, stock_run):
@@ -82,33 +120,51 @@ def test_plugin_inert_without_vtoken_key(tiny, plain_requests, stock_run):
     assert out["tokens"] == stock_run["tokens"]
 
 
-def test_budget_above_every_length_is_stock(tiny, plain_requests, stock_run):
-    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken={"policy": "h2o", "budget": 100000}, requests=plain_requests))
+@pytest.mark.parametrize("on_path", ["v1-sync", "mrv2-async"])
+def test_budget_above_every_length_is_stock(tiny, plain_requests, stock_run, on_path):
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken={"policy": "h2o", "budget": 100000},
+                                 requests=plain_requests), env=path_env(on_path))
+    assert out["paths"] == EXPECTED[on_path]
     assert out["vtoken"]["stats"]["evicted_tokens"] == 0
     assert out["tokens"] == stock_run["tokens"]
     assert len(out["tokens"]["p3"]) == NEW_TOKENS
 
 
-def test_eviction_matches_dense_oracle(tiny, eviction_run):
-    import torch
-
-    from vtoken.oracle import load_oracle_model, oracle_generate
-
-    torch.set_num_threads(2)
-    model = load_oracle_model(tiny)
+def test_eviction_matches_dense_oracle(tiny, path, eviction_run):
+    """5 policies x budgets 29/45/64 x prompts shorter/longer than the budget, one mixed batch."""
     base = parse_config(BASE_VTOKEN)
     stats = eviction_run["vtoken"]["stats"]
     assert stats["evicted_tokens"] > 0 and stats["moved_tokens"] > 0 and stats["freed_blocks"] > 0
+    assert stats["request_faults"] == 0
     mismatches = []
     for r in _eviction_requests():
         cfg = parse_request_overrides(r["extra_args"]).apply(base)
-        ref = oracle_generate(model, r["prompt_token_ids"], NEW_TOKENS, cfg)
+        ref = _oracle_tokens(tiny, r["prompt_token_ids"], NEW_TOKENS, cfg, SCORE_LAG[path])
         got = eviction_run["tokens"][r["id"]]
         assert len(got) == NEW_TOKENS
-        if got != list(ref.token_ids):
-            first = next(i for i, (a, b) in enumerate(zip(got, ref.token_ids)) if a != b)
+        if got != ref:
+            first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
             mismatches.append(f"{r['id']}: first difference at token {first}")
     assert not mismatches, mismatches
+
+
+def test_live_below_prompt_length_keeps_every_sampled_token(tiny, path, eviction_run):
+    """Model Runner V2's seq_lens trap: its sampler treats ``seq_len < prefill_len`` as a chunked
+    prefill and drops the sampled token. Requests with a 100-token prompt and budget 29/45/64
+    decode with fewer live tokens than prompt tokens; every one must still produce all its
+    tokens, equal to the oracle's (attention must see physical lengths, the sampler logical ones)."""
+    base = parse_config(BASE_VTOKEN)
+    # vLLM appends "-<suffix>" to request ids internally
+    finished = {f["req_id"].rsplit("-", 1)[0]: f for f in eviction_run["vtoken"]["finished"]}
+    long_reqs = [r for r in _eviction_requests() if len(r["prompt_token_ids"]) == 100]
+    assert len(long_reqs) == 15
+    for r in long_reqs:
+        f = finished[r["id"]]
+        assert f["num_live"] < f["prompt_len"] == 100, r["id"]
+        got = eviction_run["tokens"][r["id"]]
+        assert len(got) == NEW_TOKENS, r["id"]
+        cfg = parse_request_overrides(r["extra_args"]).apply(base)
+        assert got == _oracle_tokens(tiny, r["prompt_token_ids"], NEW_TOKENS, cfg, SCORE_LAG[path]), r["id"]
 
 
 def test_naive_mode_same_tokens_more_blocks(eviction_run, naive_run):
@@ -121,13 +177,12 @@ def test_naive_mode_same_tokens_more_blocks(eviction_run, naive_run):
         assert f["evicted"] + f["num_live"] == f["num_logical"]
 
 
-@pytest.mark.parametrize("run_name", ["eviction_run", "naive_run"])
-def test_pool_free_count_returns(run_name, request):
-    out = request.getfixturevalue(run_name)
-    assert out["free_blocks_end"] == out["free_blocks_start"] == out["num_blocks"] - 1
+def test_pool_free_count_returns(path, eviction_run, naive_run):
+    for out in (eviction_run, naive_run):
+        assert out["free_blocks_end"] == out["free_blocks_start"] == out["num_blocks"] - 1
 
 
-def test_aborts_and_preemption_lose_no_block(tiny):
+def test_aborts_and_preemption_lose_no_block(tiny, path):
     """A pool of 10 blocks: an eviction-off request grows and preempts the vToken requests
     admitted after it (they reset, re-prefill and are evicted again); aborts at several
     phases (before prefill, mid-prefill of a long prompt, right after an eviction)."""
@@ -141,7 +196,8 @@ def test_aborts_and_preemption_lose_no_block(tiny):
     ]
     out = run_in_subprocess(dict(engine=_engine(tiny, num_gpu_blocks_override=10, max_num_batched_tokens=128,
                                                  max_model_len=288),
-                                 vtoken={"policy": "h2o", "budget": 40}, requests=reqs))
+                                 vtoken={"policy": "h2o", "budget": 40}, requests=reqs), env=path_env(path))
+    assert out["paths"] == EXPECTED[path]
     assert out["free_blocks_end"] == out["free_blocks_start"] == 9
     assert out["finish"]["off"] == "length" and len(out["tokens"]["off"]) == 200
     for r in reqs[1:5]:
@@ -149,19 +205,15 @@ def test_aborts_and_preemption_lose_no_block(tiny):
     assert out["vtoken"]["stats"]["preemption_resets"] > 0
 
 
-def test_score_every_matches_dense_oracle(tiny):
+def test_score_every_matches_dense_oracle(tiny, path):
     """Scores every 3rd decode step (and every prefill): same convention as the oracle."""
-    import torch
-
-    from vtoken.oracle import load_oracle_model, oracle_generate
-
     vt = {"policy": "h2o", "budget": 37, "score_every": 3}
     reqs = [dict(id=f"s{i}", prompt_token_ids=_prompt(50 + i, n), max_tokens=NEW_TOKENS,
                  extra_args={"vtoken_policy": pol}) for i, (n, pol) in enumerate([(80, "h2o"), (60, "tova"), (20, "scissorhands")])]
-    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=vt, requests=reqs))
-    torch.set_num_threads(2)
-    model = load_oracle_model(tiny)
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=vt, requests=reqs), env=path_env(path))
+    assert out["paths"] == EXPECTED[path]
     base = parse_config(vt)
     for r in reqs:
-        ref = oracle_generate(model, r["prompt_token_ids"], NEW_TOKENS, parse_request_overrides(r["extra_args"]).apply(base))
-        assert out["tokens"][r["id"]] == list(ref.token_ids), r["id"]
+        ref = _oracle_tokens(tiny, r["prompt_token_ids"], NEW_TOKENS,
+                             parse_request_overrides(r["extra_args"]).apply(base), SCORE_LAG[path])
+        assert out["tokens"][r["id"]] == ref, r["id"]

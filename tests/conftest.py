@@ -1,0 +1,8 @@
+"""Makes ``tests/execution_paths.py`` importable from every test directory."""
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
