@@ -10,18 +10,26 @@ This package never imports vllm.
 
 from vtoken.kernels.move import (
     move_tokens,
+    move_tokens_paged,
+    move_tokens_paged_reference,
+    move_tokens_paged_triton,
     move_tokens_reference,
     move_tokens_triton,
     triton_available,
     validate_moves,
+    validate_paged_caches,
     validate_views,
 )
 
 __all__ = [
     "move_tokens",
+    "move_tokens_paged",
+    "move_tokens_paged_reference",
+    "move_tokens_paged_triton",
     "move_tokens_reference",
     "move_tokens_triton",
     "triton_available",
     "validate_moves",
+    "validate_paged_caches",
     "validate_views",
 ]
