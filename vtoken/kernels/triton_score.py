@@ -51,7 +51,7 @@ from vtoken.kernels.triton_move import _check_device, interpret_mode
 
 __all__ = ["score_attention_triton", "launch_score_kernels"]
 
-_NEG_BIG = -1.0e30  # finite "minus infinity" for the running max (no inf - inf = NaN)
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (no inf - inf = NaN)
 
 # Reductions go through ``tl.reduce`` with triton's own combine functions instead of
 # ``tl.sum`` / ``tl.max`` / ``tl.zeros``: those are ``@triton.jit`` library functions, which
