@@ -79,14 +79,15 @@ def make_batch(reqs, *, hq, hkv, hd, bs, layers, layout, dtype, seed, device="cp
     nblocks = [-(-n // bs) for n, _, _ in reqs]
     num_blocks = sum(nblocks) + 3  # a few blocks nobody uses
     _raw, caches = vllm_kv_views(layout, num_layers=layers, num_blocks=num_blocks, block_size=bs,
-                                 num_kv_heads=hkv, head_size=hd, dtype=dtype)
+                                 num_kv_heads=hkv, head_size=hd, dtype=dtype, device=device)
     cpu_caches, queries = [], []
     for c in caches:
-        c.copy_(torch.randn(c.shape, generator=gen).to(dtype))
+        vals = torch.randn(c.shape, generator=gen).to(dtype)
+        c.copy_(vals.to(device))
         cpu = torch.empty(num_blocks, hkv, bs, 2 * hd, dtype=dtype)
         # vLLM's CPU layout with an identity token map: K region = [bs, hd] row-major.
-        cpu.view(num_blocks, hkv, 2, bs, hd)[:, :, 0] = c[..., :hd]
-        cpu.view(num_blocks, hkv, 2, bs, hd)[:, :, 1] = c[..., hd:]
+        cpu.view(num_blocks, hkv, 2, bs, hd)[:, :, 0] = vals[..., :hd]
+        cpu.view(num_blocks, hkv, 2, bs, hd)[:, :, 1] = vals[..., hd:]
         cpu_caches.append(cpu)
     perm = torch.randperm(num_blocks, generator=gen)
     max_blocks = max(nblocks) + 1
@@ -103,7 +104,7 @@ def make_batch(reqs, *, hq, hkv, hd, bs, layers, layout, dtype, seed, device="cp
         big = torch.randn(T, hq + 2, hd, generator=gen).to(dtype)
         queries.append(big[:, 1 : 1 + hq])
     seq_lens = torch.tensor([n for n, _, _ in reqs], dtype=torch.int32)
-    return dict(caches=[c.to(device) for c in caches], cpu_caches=cpu_caches,
+    return dict(caches=caches, cpu_caches=cpu_caches,
                 queries=queries, bt=bt, qsl=qsl, seq_lens=seq_lens)
 
 
@@ -132,8 +133,9 @@ def run_step_scores(batch, reqs, hq, hkv, hd):
 
 def run_kernel(fn, batch, plan, hq, hd, **kw):
     out = plan.new_out(batch["caches"][0].device)
+    bt = batch["bt"].to(out.device)
     for q, c in zip(batch["queries"], batch["caches"]):
-        fn(q.to(c.device), c, batch["bt"].to(c.device), plan, out, scale=1.0 / math.sqrt(hd), **kw)
+        fn(q.to(c.device), c, bt, plan, out, scale=1.0 / math.sqrt(hd), **kw)
     return plan.results(out, hq * len(batch["caches"]))
 
 
@@ -180,17 +182,14 @@ def test_reference_matches_step_scores(bs, hq, hkv):
     assert_same(got, run_step_scores(batch, reqs, hq, hkv, hd), which, reqs, atol=1e-6)
 
 
-@needs_triton
-@pytest.mark.parametrize("bs", [16, 32, 64])
-@pytest.mark.parametrize("hq, hkv", HEADS)
-def test_triton_matches_step_scores(interpret, bs, hq, hkv):
-    """Decode rows, prefill chunks, GQA/MQA/MHA, block sizes 16/32/64, ragged batch: the
-    interpreter kernel gives StepScores' numbers to 1e-5 (two layers summed)."""
-    reqs = ragged(bs)
-    hd = 16
-    layout = KVCacheLayout.LBNHC if bs != 32 else KVCacheLayout.LBHNC
+def check_triton_vs_step_scores(bs, hq, hkv, *, device="cpu", hd=16, dtype=torch.float32,
+                                layout=None, reqs=None):
+    """The Triton scorer (interpreter on CPU, compiled on CUDA) against StepScores (CPU)."""
+    reqs = reqs or ragged(bs)
+    if layout is None:
+        layout = KVCacheLayout.LBNHC if bs != 32 else KVCacheLayout.LBHNC
     batch = make_batch(reqs, hq=hq, hkv=hkv, hd=hd, bs=bs, layers=2, layout=layout,
-                       dtype=torch.float32, seed=bs * hq + hkv)
+                       dtype=dtype, seed=bs * hq + hkv, device=device)
     rows, which = score_rows(reqs, batch["qsl"])
     plan = plan_scores(rows)
     got = run_kernel(score_attention_triton, batch, plan, hq, hd)
@@ -202,6 +201,15 @@ def test_triton_matches_step_scores(interpret, bs, hq, hkv):
             assert col.sum() == pytest.approx(q if q > 1 else 1, abs=1e-5)
         if last is not None:
             assert last.sum() == pytest.approx(1.0, abs=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("hq, hkv", HEADS)
+def test_triton_matches_step_scores(interpret, bs, hq, hkv):
+    """Decode rows, prefill chunks, GQA/MQA/MHA, block sizes 16/32/64, ragged batch: the
+    interpreter kernel gives StepScores' numbers to 1e-5 (two layers summed)."""
+    check_triton_vs_step_scores(bs, hq, hkv)
 
 
 @needs_triton
@@ -302,9 +310,11 @@ def test_interpreter_speed_vs_torch(interpret):
         return best
 
     t_torch = timed(score_attention_reference, 3)
-    t_step = min(
-        (lambda t0: (run_step_scores(batch, reqs, 9, 3, 64), time.perf_counter() - t0)[1])(
-            time.perf_counter()) for _ in range(3))
+    t_step = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run_step_scores(batch, reqs, 9, 3, 64)
+        t_step = min(t_step, time.perf_counter() - t0)
     t_triton = timed(score_attention_triton, 1)
     print(f"\nscoring, 1 layer: torch reference {t_torch * 1e3:.1f} ms, StepScores "
           f"{t_step * 1e3:.1f} ms, Triton interpreter {t_triton * 1e3:.1f} ms")
@@ -401,3 +411,39 @@ def test_score_kernels_compile_for_sm90_without_gpu(monkeypatch, dtype):
                 pytest.skip(f"no ptxas: {exc}")
             raise
         assert len(compiled.asm["cubin"]) > 0
+
+
+# ---------------------------------------------------------------------------- real CUDA
+# Selected by ``make device-check`` (``-k cuda``); skipped without a GPU.
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(),
+                                reason="no CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("hq, hkv", HEADS)
+def test_cuda_score_matches_step_scores(monkeypatch, bs, hq, hkv):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    check_triton_vs_step_scores(bs, hq, hkv, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_score_llama_shape(monkeypatch, dtype):
+    """Llama-3-8B heads (32 q, 8 kv, hd 128), bs 16, long rows and a 64-row prefill chunk,
+    against the PyTorch reference on the same CUDA tensors."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reqs = [(2048, 1, COL | LAST), (1000, 1, LAST), (777, 64, COL | LAST), (1500, 1, COL)]
+    hq, hkv, hd = 32, 8, 128
+    batch = make_batch(reqs, hq=hq, hkv=hkv, hd=hd, bs=16, layers=2,
+                       layout=KVCacheLayout.LBNHC, dtype=dtype, seed=11, device="cuda")
+    rows, _ = score_rows(reqs, batch["qsl"])
+    plan = plan_scores(rows)
+    got = run_kernel(score_attention_triton, batch, plan, hq, hd)
+    exp = run_kernel(score_attention_reference, batch, plan, hq, hd)
+    for (a_col, a_last), (b_col, b_last) in zip(got, exp):
+        for a, b in ((a_col, b_col), (a_last, b_last)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

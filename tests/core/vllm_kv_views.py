@@ -36,6 +36,7 @@ def vllm_kv_views(
     head_size_v: int | None = None,
     raw: torch.Tensor | None = None,
     lead_bytes: int = 0,
+    device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Return ``(raw int8 buffer, [per-layer view])`` laid out by vLLM 0.32's functions.
 
@@ -46,6 +47,7 @@ def vllm_kv_views(
         raw: a backing buffer to use (int8, at least ``lead_bytes + size`` bytes); default a
             fresh ``torch.empty`` (pages not touched until written).
         lead_bytes: the group starts this many bytes into ``raw`` (tests misaligned bases).
+        device: where a fresh ``raw`` is allocated.
     """
     spec = FullAttentionSpec(
         block_size=block_size,
@@ -73,7 +75,7 @@ def vllm_kv_views(
     )
     size = num_layers * num_blocks * page
     if raw is None:
-        raw = torch.empty(lead_bytes + size, dtype=torch.int8)
+        raw = torch.empty(lead_bytes + size, dtype=torch.int8, device=device)
     assert raw.numel() >= lead_bytes + size
     tensor = KVCacheTensor(
         size=size,
