@@ -191,16 +191,18 @@ def check_triton_vs_step_scores(bs, hq, hkv, *, device="cpu", hd=16, dtype=torch
     batch = make_batch(reqs, hq=hq, hkv=hkv, hd=hd, bs=bs, layers=2, layout=layout,
                        dtype=dtype, seed=bs * hq + hkv, device=device)
     rows, which = score_rows(reqs, batch["qsl"])
-    plan = plan_scores(rows)
-    got = run_kernel(score_attention_triton, batch, plan, hq, hd)
-    assert_same(got, run_step_scores(batch, reqs, hq, hkv, hd), which, reqs, atol=1e-5)
-    # Probability mass: a decode row sums to 1, a chunk's column sums to its query rows.
-    for (col, last), i in zip(got, which):
-        n, q, need = reqs[i]
-        if col is not None:
-            assert col.sum() == pytest.approx(q if q > 1 else 1, abs=1e-5)
-        if last is not None:
-            assert last.sum() == pytest.approx(1.0, abs=1e-5)
+    expect = run_step_scores(batch, reqs, hq, hkv, hd)
+    for scratch in (True, False):  # decode rows: logits kept between phases / recomputed
+        plan = plan_scores(rows, logits_scratch=scratch)
+        got = run_kernel(score_attention_triton, batch, plan, hq, hd)
+        assert_same(got, expect, which, reqs, atol=1e-5)
+        # Probability mass: a decode row sums to 1, a chunk's column sums to its query rows.
+        for (col, last), i in zip(got, which):
+            n, q, need = reqs[i]
+            if col is not None:
+                assert col.sum() == pytest.approx(q if q > 1 else 1, abs=1e-5)
+            if last is not None:
+                assert last.sum() == pytest.approx(1.0, abs=1e-5)
 
 
 @needs_triton
@@ -254,12 +256,14 @@ def test_plan_layout_and_errors():
     plan = plan_scores([ScoreRow(0, 5, 0, 1, True, True), ScoreRow(1, 8, 1, 3, True, True),
                         ScoreRow(2, 4, 4, 1, False, True), ScoreRow(3, 6, 5, 2, False, False)])
     assert plan.items.tolist() == [
-        [0, 5, 0, 1, 0, -1, 0],
-        [1, 8, 1, 3, 5, 13, 1],
-        [2, 4, 4, 1, 21, -1, 4],
-        [3, 6, 5, 2, -1, -1, 5],
+        [0, 5, 0, 1, 0, -1, 0, 0],
+        [1, 8, 1, 3, 5, 13, 1, -1],
+        [2, 4, 4, 1, 21, -1, 4, 5],
+        [3, 6, 5, 2, -1, -1, 5, -1],
     ]
     assert (plan.out_size, plan.lse_rows, plan.max_q, plan.max_n) == (25, 7, 3, 8)
+    assert plan.logits_per_head == 9
+    assert plan_scores(plan.rows, logits_scratch=False).items[:, 7].tolist() == [-1] * 4
     assert plan.col_slices == [(0, 5), (5, 8), None, None]
     assert plan.last_slices == [(0, 5), (13, 8), (21, 4), None]
     assert step_score_row(2, 10, 3, 7, col=False, last=True) == ScoreRow(2, 10, 6, 1, False, True)
@@ -394,18 +398,21 @@ def test_score_kernels_compile_for_sm90_without_gpu(monkeypatch, dtype):
 
     common = {"q_ptr": f"*{dtype}", "s_qt": "i32", "s_qh": "i32", "s_qd": "i32",
               "kv_ptr": f"*{dtype}", "s_kb": "i64", "s_kh": "i32", "s_kn": "i32",
-              "bt_ptr": "*i32", "s_bt": "i32", "items_ptr": "*i64", "lse_ptr": "*fp32"}
+              "bt_ptr": "*i32", "s_bt": "i32", "items_ptr": "*i64", "lse_ptr": "*fp32",
+              "lg_ptr": "*fp32"}
     bq, bg, bn, bd = ts._blocks(3, 64, 1)  # SmolLM2 decode: G = 3, hd = 64
     cons = {"BLOCK_Q": bq, "BLOCK_G": bg, "BLOCK_N": bn, "BLOCK_D": bd}
     consts = {k: "constexpr" for k in cons}
     lse_sig = {**common, "scale": "fp32", "BS": "i32", "HQ": "i32", "G": "i32", "HD": "i32",
                **consts}
     prob_sig = {**common, "out_ptr": "*fp32", "scale": "fp32", "BS": "i32", "HQ": "i32",
-                "HKV": "i32", "G": "i32", "HD": "i32", **consts}
+                "HKV": "i32", "G": "i32", "HD": "i32", **consts, "BLOCK_H": "constexpr"}
     for fn, sig in ((ts._score_lse_kernel, lse_sig), (ts._score_prob_kernel, prob_sig)):
         try:
-            compiled = triton.compile(ASTSource(fn=triton.jit(fn), signature=sig, constexprs=cons),
-                                      target=GPUTarget("cuda", 90, 32))
+            consts_of = {**cons, "BLOCK_H": 16} if "BLOCK_H" in sig else cons
+            compiled = triton.compile(
+                ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts_of),
+                target=GPUTarget("cuda", 90, 32))
         except Exception as exc:  # pragma: no cover - toolchain missing on this install
             if "ptxas" in str(exc).lower():
                 pytest.skip(f"no ptxas: {exc}")

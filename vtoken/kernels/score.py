@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 # Columns of the int64 ``items`` tensor [R, 7] the kernels read.
-ITEM_COLUMNS = ("bt_row", "n", "q_start", "ql", "col_off", "last_off", "lse_off")
+ITEM_COLUMNS = ("bt_row", "n", "q_start", "ql", "col_off", "last_off", "lse_off", "lg_off")
 
 
 class ScoreRow(NamedTuple):
@@ -113,11 +113,14 @@ class ScorePlan:
 
     Attributes:
         rows: the :class:`ScoreRow` list, in item order.
-        items: int64 ``[R, 7]`` (columns :data:`ITEM_COLUMNS`), CPU; ``col_off``/``last_off``
+        items: int64 ``[R, 8]`` (columns :data:`ITEM_COLUMNS`), CPU; ``col_off``/``last_off``
             are offsets into the output buffer or -1, ``lse_off`` the item's first row in the
-            ``lse`` scratch.
+            ``lse`` scratch, ``lg_off`` the item's first element in the logits scratch (-1:
+            phase B recomputes the logits from K).
         out_size: length of the fp32 output buffer (elements).
         lse_rows: rows of the ``[lse_rows, Hq]`` fp32 scratch (total scored query rows).
+        logits_per_head: the logits scratch holds ``logits_per_head * Hq`` fp32 elements
+            (sum of ``n`` over the items that use it).
         max_q, max_n: largest ``ql`` and ``n`` (grid bounds; upper bounds also work).
         col_slices, last_slices: per item, ``(offset, n)`` of its col / last vector in the
             output, or None. For ``ql == 1`` items ``last`` shares the ``col`` segment.
@@ -127,6 +130,7 @@ class ScorePlan:
     items: torch.Tensor
     out_size: int
     lse_rows: int
+    logits_per_head: int
     max_q: int
     max_n: int
     col_slices: list[Optional[tuple[int, int]]]
@@ -160,11 +164,15 @@ class ScorePlan:
         return res
 
 
-def plan_scores(rows: Sequence[ScoreRow | tuple]) -> ScorePlan:
+def plan_scores(rows: Sequence[ScoreRow | tuple], *, logits_scratch: bool = True) -> ScorePlan:
     """Lay out the output buffer and the kernels' item table for one step.
 
     Args:
         rows: :class:`ScoreRow` (or equal tuples), one per scored request row.
+        logits_scratch: single-row items (``ql == 1``: decode rows) keep their logits in an
+            fp32 scratch ``[Hq, n]`` between the two Triton phases instead of re-reading K
+            (4*Hq bytes written and read per key instead of Hkv*hd*dtype bytes read). Multi-row
+            items always recompute (a scratch would be the ``[heads, q, n]`` matrix).
 
     Returns:
         the :class:`ScorePlan`. Items that ask for nothing (``col`` and ``last`` both false)
@@ -179,6 +187,7 @@ def plan_scores(rows: Sequence[ScoreRow | tuple]) -> ScorePlan:
     last_slices: list[Optional[tuple[int, int]]] = []
     off = 0
     lse_off = 0
+    lg_total = 0
     for i, r in enumerate(rows):
         if r.ql < 1:
             raise ValueError(f"rows[{i}].ql = {r.ql}; a scored item needs at least 1 query row")
@@ -205,7 +214,10 @@ def plan_scores(rows: Sequence[ScoreRow | tuple]) -> ScorePlan:
             if r.last:
                 last_off, off = off, off + r.n
                 ls = (last_off, r.n)
-        items[i] = (r.bt_row, r.n, r.q_start, r.ql, col_off, last_off, lse_off)
+        lg_off = -1
+        if logits_scratch and r.ql == 1 and (r.col or r.last):
+            lg_off, lg_total = lg_total, lg_total + r.n  # times Hq: see triton_score
+        items[i] = (r.bt_row, r.n, r.q_start, r.ql, col_off, last_off, lse_off, lg_off)
         lse_off += r.ql
         col_slices.append(cs)
         last_slices.append(ls)
@@ -214,6 +226,7 @@ def plan_scores(rows: Sequence[ScoreRow | tuple]) -> ScorePlan:
         items=torch.from_numpy(items),
         out_size=off,
         lse_rows=lse_off,
+        logits_per_head=lg_total,
         max_q=max((r.ql for r in rows), default=0),
         max_n=max((r.n for r in rows), default=0),
         col_slices=col_slices,
@@ -357,18 +370,19 @@ def score_attention_triton(
     *,
     scale: float,
     lse: Optional[torch.Tensor] = None,
+    logits: Optional[torch.Tensor] = None,
 ) -> None:
     """Accumulate one layer's scores into ``out`` with the two-phase Triton kernels.
 
     Same arguments and semantics as :func:`score_attention_reference`; see
-    :func:`vtoken.kernels.triton_score.score_attention_triton` (``lse`` is the optional fp32
-    ``[plan.lse_rows, Hq]`` scratch, reused across layers when given). CUDA tensors, or CPU
-    tensors under ``TRITON_INTERPRET=1``.
+    :func:`vtoken.kernels.triton_score.score_attention_triton` (``lse`` / ``logits`` are the
+    optional fp32 scratches, reused across layers when given). CUDA tensors, or CPU tensors
+    under ``TRITON_INTERPRET=1``.
     """
     from vtoken.kernels import triton_score
 
     triton_score.score_attention_triton(
-        query, kv_cache, block_table, plan, out, scale=scale, lse=lse
+        query, kv_cache, block_table, plan, out, scale=scale, lse=lse, logits=logits
     )
 
 
@@ -381,6 +395,7 @@ def score_attention(
     *,
     scale: float,
     lse: Optional[torch.Tensor] = None,
+    logits: Optional[torch.Tensor] = None,
 ) -> None:
     """Triton on CUDA tensors (when triton imports), the PyTorch reference otherwise.
 
@@ -392,7 +407,7 @@ def score_attention(
 
         if triton_available():
             score_attention_triton(
-                query, kv_cache, block_table, plan, out, scale=scale, lse=lse
+                query, kv_cache, block_table, plan, out, scale=scale, lse=lse, logits=logits
             )
             return
     score_attention_reference(query, kv_cache, block_table, plan, out, scale=scale)

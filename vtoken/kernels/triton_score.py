@@ -68,6 +68,7 @@ def _score_lse_kernel(
     bt_ptr, s_bt,
     items_ptr,
     lse_ptr,
+    lg_ptr,  # fp32 logits scratch (items with lg_off >= 0)
     scale,
     BS,  # tokens per block of the view
     HQ,  # query heads
@@ -81,12 +82,13 @@ def _score_lse_kernel(
     pid_r = tl.program_id(0)
     pid_q = tl.program_id(1)
     kh = tl.program_id(2)
-    it = items_ptr + pid_r * 7
+    it = items_ptr + pid_r * 8
     bt_row = tl.load(it + 0)
     n = tl.load(it + 1)
     q_start = tl.load(it + 2)
     ql = tl.load(it + 3)
     lse_off = tl.load(it + 6)
+    lg_off = tl.load(it + 7)
     q0 = pid_q * BLOCK_Q
     if q0 < ql:
         m_idx = tl.arange(0, BLOCK_Q * BLOCK_G)
@@ -119,6 +121,9 @@ def _score_lse_kernel(
                 other=0.0,
             ).to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            if lg_off >= 0:  # single-row item: keep the logits for phase B ([Hq, n] per item)
+                tl.store(lg_ptr + lg_off * HQ + head.to(tl.int64)[:, None] * n + j[None, :], s,
+                         mask=row_ok[:, None] & j_ok[None, :])
             vis = j_ok[None, :] & (j[None, :] <= qpos[:, None])
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
@@ -134,6 +139,7 @@ def _score_prob_kernel(
     bt_ptr, s_bt,
     items_ptr,
     lse_ptr,
+    lg_ptr,
     out_ptr,
     scale,
     BS,
@@ -145,10 +151,11 @@ def _score_prob_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= HQ (logits-scratch items)
 ):
     pid_r = tl.program_id(0)
     pid_t = tl.program_id(1)
-    it = items_ptr + pid_r * 7
+    it = items_ptr + pid_r * 8
     bt_row = tl.load(it + 0)
     n = tl.load(it + 1)
     q_start = tl.load(it + 2)
@@ -156,46 +163,58 @@ def _score_prob_kernel(
     col_off = tl.load(it + 4)
     last_off = tl.load(it + 5)
     lse_off = tl.load(it + 6)
+    lg_off = tl.load(it + 7)
     j0 = pid_t * BLOCK_N
     if (j0 < n) & ((col_off >= 0) | (last_off >= 0)):
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < n
-        blk = tl.load(bt_ptr + bt_row * s_bt + j // BS, mask=j_ok, other=0).to(tl.int64)
-        koff = blk * s_kb + (j % BS).to(tl.int64) * s_kn
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HD
-        m_idx = tl.arange(0, BLOCK_Q * BLOCK_G)
         col_acc = tl.full([BLOCK_N], 0.0, tl.float32)
         last_acc = tl.full([BLOCK_N], 0.0, tl.float32)
-        # Query row i sees key j iff j <= n - ql + i: rows before q_first see none of the tile.
-        q_first = tl.maximum(j0 - (n - ql), 0)
-        qt_first = q_first // BLOCK_Q
-        qt_end = (ql + BLOCK_Q - 1) // BLOCK_Q
-        k_ptrs = kv_ptr + koff[:, None] + d[None, :]
-        for kh in range(0, HKV):
-            # Head kh's tile: the pointer advances by one head stride per iteration (64-bit
-            # pointer arithmetic, so kh * s_kh never overflows a 32-bit product).
-            k = tl.load(k_ptrs, mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            k_ptrs += s_kh
-            for qt in range(qt_first, qt_end):
-                qi = qt * BLOCK_Q + m_idx // BLOCK_G
-                g = m_idx % BLOCK_G
-                row_ok = (qi < ql) & (g < G)
-                head = kh * G + g
-                q = tl.load(
-                    q_ptr + (q_start + qi).to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh
-                    + d[None, :] * s_qd,
-                    mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                lse = tl.load(
-                    lse_ptr + (lse_off + qi).to(tl.int64) * HQ + head, mask=row_ok, other=0.0
-                )
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-                vis = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= (n - ql + qi)[:, None])
-                p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-                col_acc += tl.reduce(p, 0, _SUM)
-                last_acc += tl.reduce(tl.where((qi == ql - 1)[:, None], p, 0.0), 0, _SUM)
+        if lg_off >= 0:
+            # Single-row item (sees all n keys): probabilities from the phase-A logits, all
+            # query heads at once; K is not read again.
+            hh = tl.arange(0, BLOCK_H)
+            h_ok = hh < HQ
+            lse_h = tl.load(lse_ptr + lse_off * HQ + hh, mask=h_ok, other=0.0)
+            lg = tl.load(lg_ptr + lg_off * HQ + hh.to(tl.int64)[:, None] * n + j[None, :],
+                         mask=h_ok[:, None] & j_ok[None, :], other=0.0)
+            p = tl.where(h_ok[:, None] & j_ok[None, :], tl.exp(lg - lse_h[:, None]), 0.0)
+            col_acc += tl.reduce(p, 0, _SUM)
+            last_acc += tl.reduce(p, 0, _SUM)
+        else:
+            blk = tl.load(bt_ptr + bt_row * s_bt + j // BS, mask=j_ok, other=0).to(tl.int64)
+            koff = blk * s_kb + (j % BS).to(tl.int64) * s_kn
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HD
+            m_idx = tl.arange(0, BLOCK_Q * BLOCK_G)
+            # Query row i sees key j iff j <= n - ql + i: rows before q_first see none of it.
+            q_first = tl.maximum(j0 - (n - ql), 0)
+            qt_first = q_first // BLOCK_Q
+            qt_end = (ql + BLOCK_Q - 1) // BLOCK_Q
+            k_ptrs = kv_ptr + koff[:, None] + d[None, :]
+            for kh in range(0, HKV):
+                # Head kh's tile: the pointer advances by one head stride per iteration
+                # (64-bit pointer arithmetic, so kh * s_kh never overflows a 32-bit product).
+                k = tl.load(k_ptrs, mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                k_ptrs += s_kh
+                for qt in range(qt_first, qt_end):
+                    qi = qt * BLOCK_Q + m_idx // BLOCK_G
+                    g = m_idx % BLOCK_G
+                    row_ok = (qi < ql) & (g < G)
+                    head = kh * G + g
+                    q = tl.load(
+                        q_ptr + (q_start + qi).to(tl.int64)[:, None] * s_qt
+                        + head[:, None] * s_qh + d[None, :] * s_qd,
+                        mask=row_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    lse = tl.load(lse_ptr + (lse_off + qi).to(tl.int64) * HQ + head,
+                                  mask=row_ok, other=0.0)
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                    vis = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= (n - ql + qi)[:, None])
+                    p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+                    col_acc += tl.reduce(p, 0, _SUM)
+                    last_acc += tl.reduce(tl.where((qi == ql - 1)[:, None], p, 0.0), 0, _SUM)
         if col_off >= 0:
             o = out_ptr + col_off + j
             tl.store(o, tl.load(o, mask=j_ok, other=0.0) + col_acc, mask=j_ok)
@@ -234,6 +253,7 @@ def launch_score_kernels(
     items: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    logits: torch.Tensor,
     *,
     scale: float,
     max_q: int,
@@ -245,9 +265,11 @@ def launch_score_kernels(
         query: ``[T, Hq, hd]`` (any strides), on the launch device.
         kv_cache: ``[num_blocks, Hkv, block_size, 2*hd]`` view, contiguous last dimension.
         block_table: int32/int64 ``[rows, max_blocks]``, column stride 1.
-        items: int64 ``[R, 7]`` contiguous (``score.ITEM_COLUMNS``), on the device.
+        items: int64 ``[R, 8]`` contiguous (``score.ITEM_COLUMNS``), on the device.
         out: fp32 ``[>= out_size]`` contiguous; mutated (``+=``).
         lse: fp32 ``[>= lse_rows, Hq]`` contiguous scratch; overwritten.
+        logits: fp32 ``[>= logits_per_head * Hq]`` contiguous scratch (any 1-element fp32
+            tensor when no item uses it); overwritten.
         scale: softmax scale.
         max_q, max_n: bounds on every item's ``ql`` and ``n`` (fixed bounds keep the grid
             constant, e.g. for CUDA graph capture).
@@ -266,10 +288,24 @@ def launch_score_kernels(
         block_table, block_table.stride(0),
         items,
         lse,
+        logits,
     )
     meta = dict(BLOCK_Q=bq, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd)
     lse_k[(r, triton.cdiv(max_q, bq), hkv)](*common, float(scale), bs, hq, g, hd, **meta)
-    prob_k[(r, triton.cdiv(max_n, bn))](*common, out, float(scale), bs, hq, hkv, g, hd, **meta)
+    prob_k[(r, triton.cdiv(max_n, bn))](*common, out, float(scale), bs, hq, hkv, g, hd, **meta,
+                                        BLOCK_H=triton.next_power_of_2(hq))
+
+
+def _scratch(t: Optional[torch.Tensor], name: str, shape: tuple[int, ...], device) -> torch.Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    ok = (t.dtype == torch.float32 and t.is_contiguous() and t.dim() == len(shape)
+          and t.shape[0] >= shape[0] and tuple(t.shape[1:]) == tuple(shape[1:]))
+    if not ok:
+        want = ", ".join([f">= {shape[0]}"] + [str(x) for x in shape[1:]])
+        raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; expected contiguous float32 "
+                         f"[{want}]")
+    return t
 
 
 def score_attention_triton(
@@ -281,6 +317,7 @@ def score_attention_triton(
     *,
     scale: float,
     lse: Optional[torch.Tensor] = None,
+    logits: Optional[torch.Tensor] = None,
 ) -> None:
     """Accumulate one layer's attention scores into ``out`` (``vtoken.kernels.score``).
 
@@ -294,29 +331,25 @@ def score_attention_triton(
             device once and reused by every layer).
         out: fp32 ``[plan.out_size]`` on the device; ``+=`` this layer's sums over heads.
         scale: softmax scale.
-        lse: optional fp32 ``[>= plan.lse_rows, Hq]`` scratch (allocated when None).
+        lse: optional fp32 ``[>= plan.lse_rows, Hq]`` scratch (allocated when None); pass the
+            same buffer to every layer of a step to avoid an allocation per layer.
+        logits: optional fp32 ``[>= max(1, plan.logits_per_head * Hq)]`` scratch (allocated
+            when None).
 
     Raises:
-        ValueError: see :func:`vtoken.kernels.score.validate_score_inputs`; CUDA tensors under
-            ``TRITON_INTERPRET=1``, or CPU tensors without it.
+        ValueError: see :func:`vtoken.kernels.score.validate_score_inputs`, a badly shaped
+            scratch, CUDA tensors under ``TRITON_INTERPRET=1``, or CPU tensors without it.
     """
     hq, _hkv, _hd, _bs = validate_score_inputs(query, kv_cache, block_table, out, plan)
     _check_device(query.device)
     if plan.out_size == 0:
         return
-    if lse is None:
-        lse = torch.empty((plan.lse_rows, hq), dtype=torch.float32, device=query.device)
-    elif lse.dtype != torch.float32 or lse.dim() != 2 or lse.shape[0] < plan.lse_rows \
-            or lse.shape[1] != hq or not lse.is_contiguous():
-        raise ValueError(
-            f"lse is {lse.dtype} {tuple(lse.shape)}; expected contiguous float32 "
-            f"[>= {plan.lse_rows}, {hq}]"
-        )
+    lse = _scratch(lse, "lse", (plan.lse_rows, hq), query.device)
+    logits = _scratch(logits, "logits", (max(1, plan.logits_per_head * hq),), query.device)
     items = plan.items_on(query.device)
+    kw = dict(scale=scale, max_q=plan.max_q, max_n=plan.max_n)
     if query.is_cuda:
         with torch.cuda.device(query.device):
-            launch_score_kernels(query, kv_cache, block_table, items, out, lse, scale=scale,
-                                 max_q=plan.max_q, max_n=plan.max_n)
+            launch_score_kernels(query, kv_cache, block_table, items, out, lse, logits, **kw)
     else:
-        launch_score_kernels(query, kv_cache, block_table, items, out, lse, scale=scale,
-                             max_q=plan.max_q, max_n=plan.max_n)
+        launch_score_kernels(query, kv_cache, block_table, items, out, lse, logits, **kw)
