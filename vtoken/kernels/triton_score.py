@@ -1,7 +1,7 @@
 """Two-phase Triton scorer over a paged K cache (semantics: ``vtoken.kernels.score``).
 
-Design (the exact scorer of ``gpu-path.md`` section 5.2, without the logits scratch)
-------------------------------------------------------------------------------------
+Design (the exact scorer of ``gpu-path.md`` section 5.2)
+---------------------------------------------------------
 Per layer, two launches on the caller's stream, both reading K straight from the paged cache
 through the block table (any block/head/token strides, int64 offsets):
 
@@ -10,16 +10,21 @@ through the block table (any block/head/token strides, int64 offsets):
   that share the kv head as one ``[BLOCK_Q*BLOCK_G, hd]`` tile, streams the item's K tiles
   ``[BLOCK_N, hd]`` (only up to the tile's last visible key), and keeps the online softmax
   statistics (running max, rescaled sum of exponentials) per (row, head). It writes
-  ``lse = max + log(sum)`` to an fp32 ``[lse_rows, Hq]`` scratch: 4 bytes per (row, head).
+  ``lse = max + log(sum)`` to an fp32 ``[lse_rows, Hq]`` scratch. Single-row items (decode
+  rows; ``lg_off >= 0``) also store their scaled logits to an fp32 ``[Hq, n]`` scratch.
 * **Phase B** ``_score_prob_kernel``, grid ``(R, cdiv(max_n, BLOCK_N))``: program
-  ``(item, key tile)`` loads its K tile once per kv head, recomputes the logits of every
-  query row that can see the tile, ``p = exp(logit - lse)`` (causal mask by physical index),
-  sums over heads and rows in registers and adds the ``[BLOCK_N]`` result to ``out``. Each
-  output element belongs to exactly one program: no atomics. Layers launched in order on
-  one stream make the read-modify-write of ``out`` a sum over layers.
+  ``(item, key tile)`` computes ``p = exp(logit - lse)`` for its ``BLOCK_N`` keys, sums over
+  heads (and query rows) in registers and adds the ``[BLOCK_N]`` result to ``out``.
+  Single-row items read the logits back from the scratch (all heads as one
+  ``[BLOCK_H, BLOCK_N]`` tile; K is not read again). Multi-row items (prefill chunks) load
+  their K tile once per kv head and recompute the logits of every query row that can see the
+  tile (causal mask by physical index). Each output element belongs to exactly one program:
+  no atomics. Layers launched in order on one stream make the read-modify-write of ``out`` a
+  sum over layers.
 
-No ``[heads, q, n]`` matrix exists at any point: the only buffers are ``out`` (one float per
-scored key) and ``lse`` (one float per scored query row and head).
+No ``[heads, q, n]`` matrix exists for a multi-row item; the buffers are ``out`` (one float
+per scored key), ``lse`` (one float per scored query row and head) and, for single-row items
+only, the ``[Hq, n]`` logits (what gpu-path.md section 5.2 calls the logits scratch).
 
 Arithmetic: K and q are loaded in their dtype and converted to fp32; ``tl.dot`` runs with
 ``input_precision="ieee"`` (no TF32), so the result equals the fp32 PyTorch reference up to
@@ -30,9 +35,11 @@ return at once. The items tensor lives on the device; nothing in a launch reads 
 of the batch except the two bounds, so a launch with fixed bounds and persistent buffers is
 capturable in a CUDA graph (not yet tried on a GPU).
 
-Cost (memory-bound decode row, estimate): phase A and B each read the item's K once, so
-``2 * n * Hkv * hd * b`` bytes, about the attention kernel's own K+V read (``gpu-path.md``
-section 5.3 estimates ~0.56x for the logits-scratch variant, which this is not).
+Cost (memory-bound decode row, per layer; an estimate, never measured on a GPU): phase A
+reads K once and writes ``4*Hq`` bytes of logits per key, phase B reads them back and
+read-modify-writes ``out``: ``n * (Hkv*hd*b + 8*Hq + 8)`` bytes, about 0.56x the attention
+kernel's K+V bytes for Llama-3-8B heads (gpu-path.md section 5.3). Prefill chunks compute
+``q k^T`` twice (about 1x the attention FLOPs).
 
 ``triton.jit`` is applied lazily (first launch) so that ``TRITON_INTERPRET`` is read then,
 as in ``vtoken.kernels.triton_move``.
