@@ -313,7 +313,7 @@ def test_interpreter_speed_vs_torch(interpret):
             best = min(best, time.perf_counter() - t0)
         return best
 
-    t_torch = timed(score_attention_reference, 3)
+    t_torch = timed(score_attention_reference, 5)  # best of 5: robust to a busy machine
     t_step = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
