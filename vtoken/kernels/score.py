@@ -334,6 +334,9 @@ def score_attention_reference(
         out: fp32 ``[plan.out_size]``; mutated (``+=``).
         scale: softmax scale (``1/sqrt(hd)`` normally).
 
+    Mutates:
+        ``out`` (``+=``) only.
+
     Raises:
         ValueError: see :func:`validate_score_inputs`.
     """

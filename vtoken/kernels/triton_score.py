@@ -70,21 +70,21 @@ _MAX = tl.standard._elementwise_max
 
 
 def _score_lse_kernel(
-    q_ptr, s_qt, s_qh, s_qd,
-    kv_ptr, s_kb, s_kh, s_kn,
-    bt_ptr, s_bt,
-    items_ptr,
-    lse_ptr,
-    lg_ptr,  # fp32 logits scratch (items with lg_off >= 0)
-    scale,
+    q_ptr, s_qt, s_qh, s_qd,  # query [T, Hq, hd] and its strides (elements)
+    kv_ptr, s_kb, s_kh, s_kn,  # layer view [B, Hkv, BS, 2*hd]: block, head, token strides
+    bt_ptr, s_bt,  # block table [rows, max_blocks] (int32/int64) and its row stride
+    items_ptr,  # int64 [R, 8]: bt_row, n, q_start, ql, col_off, last_off, lse_off, lg_off
+    lse_ptr,  # fp32 [lse_rows, Hq] (written)
+    lg_ptr,  # fp32 logits scratch, [Hq, n] per item with lg_off >= 0 (written)
+    scale,  # softmax scale
     BS,  # tokens per block of the view
     HQ,  # query heads
     G,  # query heads per kv head
     HD,  # head size
-    BLOCK_Q: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query rows per program
+    BLOCK_G: tl.constexpr,  # next power of two >= G
+    BLOCK_N: tl.constexpr,  # keys per tile
+    BLOCK_D: tl.constexpr,  # next power of two >= hd (>= 16)
 ):
     pid_r = tl.program_id(0)
     pid_q = tl.program_id(1)
@@ -141,17 +141,17 @@ def _score_lse_kernel(
 
 
 def _score_prob_kernel(
-    q_ptr, s_qt, s_qh, s_qd,
+    q_ptr, s_qt, s_qh, s_qd,  # as in _score_lse_kernel
     kv_ptr, s_kb, s_kh, s_kn,
     bt_ptr, s_bt,
     items_ptr,
-    lse_ptr,
-    lg_ptr,
-    out_ptr,
+    lse_ptr,  # fp32 [lse_rows, Hq] (read)
+    lg_ptr,  # fp32 logits scratch (read)
+    out_ptr,  # fp32 output (read-modify-write, +=)
     scale,
     BS,
     HQ,
-    HKV,
+    HKV,  # kv heads
     G,
     HD,
     BLOCK_Q: tl.constexpr,
@@ -280,6 +280,9 @@ def launch_score_kernels(
         scale: softmax scale.
         max_q, max_n: bounds on every item's ``ql`` and ``n`` (fixed bounds keep the grid
             constant, e.g. for CUDA graph capture).
+
+    Mutates:
+        ``out`` (``+=``), ``lse`` and ``logits`` (overwritten); nothing else.
     """
     r = items.shape[0]
     if r == 0 or max_n <= 0 or max_q <= 0:
@@ -342,6 +345,9 @@ def score_attention_triton(
             same buffer to every layer of a step to avoid an allocation per layer.
         logits: optional fp32 ``[>= max(1, plan.logits_per_head * Hq)]`` scratch (allocated
             when None).
+
+    Mutates:
+        ``out`` (``+=``), ``lse`` and ``logits`` (overwritten); the KV cache is only read.
 
     Raises:
         ValueError: see :func:`vtoken.kernels.score.validate_score_inputs`, a badly shaped
