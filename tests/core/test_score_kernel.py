@@ -454,3 +454,29 @@ def test_cuda_score_llama_shape(monkeypatch, dtype):
             assert (a is None) == (b is None)
             if a is not None:
                 np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@needs_triton
+def test_launch_with_upper_bounds_is_identical(interpret):
+    """Graph-friendly launch: fixed (larger) grid bounds and device-resident items give the
+    same bits as exact bounds; programs past an item's ql / n do nothing."""
+    from vtoken.kernels.triton_score import launch_score_kernels
+
+    reqs = [(37, 1, COL | LAST), (20, 6, COL | LAST), (9, 1, LAST)]
+    hq, hkv, hd = 4, 2, 16
+    batch = make_batch(reqs, hq=hq, hkv=hkv, hd=hd, bs=16, layers=1, layout=KVCacheLayout.LBNHC,
+                       dtype=torch.float32, seed=2)
+    rows, _ = score_rows(reqs, batch["qsl"])
+    plan = plan_scores(rows)
+    outs = []
+    for max_q, max_n in ((plan.max_q, plan.max_n), (64, 512)):
+        out = plan.new_out("cpu")
+        lse = torch.full((plan.lse_rows + 5, hq), float("nan"))
+        lg = torch.full((plan.logits_per_head * hq + 7,), float("nan"))
+        launch_score_kernels(batch["queries"][0], batch["caches"][0], batch["bt"],
+                             plan.items_on(torch.device("cpu")), out, lse, lg, scale=0.25,
+                             max_q=max_q, max_n=max_n)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.isnan(outs[0]).any()
+    assert float(outs[0].sum()) == pytest.approx(hq * (1 + 6 + 1 + 1), abs=1e-4)
