@@ -69,17 +69,27 @@ class Meta:
         self.query_start_loc, self.seq_lens, self.block_table = qsl, seq_lens, block_table
 
 
-def make_batch(reqs, *, hq, hkv, hd, bs, layers, layout, dtype, seed, device="cpu"):
+def make_batch(reqs, *, hq, hkv, hd, bs, layers, layout, dtype, seed, device="cpu",
+               page_pad_bytes=0, split=False):
     """A ragged step. ``reqs``: list of (n, qlen, need) per batch row (need 0 = not scored).
+
+    ``split``: vLLM manager blocks of ``2*bs`` tokens viewed as kernel blocks of ``bs`` (the
+    view, and so the block table, is in kernel blocks). ``page_pad_bytes``: padded pages.
 
     Returns a dict with per-layer GPU-layout caches, the matching CPU-layout caches for
     StepScores, per-layer queries [T, Hq, hd], block table, query_start_loc, seq_lens.
     """
     gen = torch.Generator().manual_seed(seed)
     nblocks = [-(-n // bs) for n, _, _ in reqs]
-    num_blocks = sum(nblocks) + 3  # a few blocks nobody uses
-    _raw, caches = vllm_kv_views(layout, num_layers=layers, num_blocks=num_blocks, block_size=bs,
-                                 num_kv_heads=hkv, head_size=hd, dtype=dtype, device=device)
+    num_blocks = sum(nblocks) + 4  # a few blocks nobody uses
+    num_blocks += num_blocks % 2 if split else 0  # whole manager blocks
+    _raw, caches = vllm_kv_views(layout, num_layers=layers,
+                                 num_blocks=num_blocks // 2 if split else num_blocks,
+                                 block_size=2 * bs if split else bs,
+                                 kernel_block_size=bs if split else None,
+                                 page_pad_bytes=page_pad_bytes, num_kv_heads=hkv, head_size=hd,
+                                 dtype=dtype, device=device)
+    assert caches[0].shape[0] == num_blocks and caches[0].shape[2] == bs
     cpu_caches, queries = [], []
     for c in caches:
         vals = torch.randn(c.shape, generator=gen).to(dtype)
@@ -215,14 +225,20 @@ def test_triton_matches_step_scores(interpret, bs, hq, hkv):
 
 
 @needs_triton
-@pytest.mark.parametrize("layout", [KVCacheLayout.BLHNC, KVCacheLayout.LHBNC],
-                         ids=lambda x: x.name)
-def test_triton_other_layouts_bf16(interpret, layout):
-    """Block-outer and head-outer layouts, bf16 keys and queries, head size 24 (masked dims)."""
+@pytest.mark.parametrize("layout, pad, split", [
+    (KVCacheLayout.BLHNC, 0, False),
+    (KVCacheLayout.LHBNC, 0, False),
+    (KVCacheLayout.LBNHC, 64, False),
+    (KVCacheLayout.LBNHC, 0, True),
+    (KVCacheLayout.LBHNC, 0, True),
+], ids=["BLHNC", "LHBNC", "LBNHC-padded", "LBNHC-kernel-split", "LBHNC-kernel-split"])
+def test_triton_other_layouts_bf16(interpret, layout, pad, split):
+    """Block-outer and head-outer layouts, padded pages, kernel-block splits; bf16 keys and
+    queries, head size 24 (masked dims)."""
     reqs = [(20, 1, COL | LAST), (40, 5, COL | LAST), (17, 1, LAST)]
     hq, hkv, hd, bs = 6, 3, 24, 16
     batch = make_batch(reqs, hq=hq, hkv=hkv, hd=hd, bs=bs, layers=2, layout=layout,
-                       dtype=torch.bfloat16, seed=5)
+                       dtype=torch.bfloat16, seed=5, page_pad_bytes=pad, split=split)
     rows, which = score_rows(reqs, batch["qsl"])
     plan = plan_scores(rows)
     got = run_kernel(score_attention_triton, batch, plan, hq, hd)
