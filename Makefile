@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve test test-fast bench bench-full patches-check clean
+.PHONY: install install-gpu assets serve test test-fast bench bench-full patches-check device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,14 @@ bench: assets
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets
 	$(VPY) benchmarks/bench_all.py
+
+# One prepared GPU check (<= 8 min on one GPU; docs/gpu-kernels.md): Triton kernel tests on CUDA
+# tensors, move bandwidth vs a device copy, scorer timing -> benchmarks/results/device_check.json.
+# Without CUDA it says so in one line and runs the interpreter subset (no JSON).
+# Needs an installed .venv (make install-gpu on NVIDIA machines; make install on CPU ones).
+device-check:
+	@test -x $(VPY) || { echo "device-check: no $(VPY); run make install-gpu (NVIDIA) or make install"; exit 1; }
+	$(VPY) benchmarks/device_check.py
 
 patches-check: install
 	$(VPY) -m vtoken.patches check

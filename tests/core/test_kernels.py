@@ -380,10 +380,10 @@ def test_kernel_compiles_for_sm90_without_gpu(monkeypatch):
 
     kernel = triton.jit(do_not_specialize=["M"])(triton_move._move_rows_kernel)
     sig = {"meta_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64", "M": "i32",
-           "row_words": "i32", "V": "i32", "WORD": "constexpr", "R": "constexpr",
-           "BLOCK": "constexpr"}
+           "V": "i32", "BS": "i32", "H": "i32", "HEAD_WORDS": "constexpr",
+           "WORD": "constexpr", "R": "constexpr", "BLOCK": "constexpr"}
     src = ASTSource(fn=kernel, signature=sig,
-                    constexprs={"WORD": tl.int64, "R": 16, "BLOCK": 64})
+                    constexprs={"HEAD_WORDS": 32, "WORD": tl.int64, "R": 16, "BLOCK": 64})
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     except Exception as exc:  # pragma: no cover - toolchain missing on this install
@@ -409,3 +409,228 @@ def test_cuda_triton_matches_reference(dtype):
     move_tokens(views, src, dst, debug=True)
     torch.cuda.synchronize()
     assert torch.equal(bits(buf), bits(ref_buf))
+
+
+# ---------------------------------------------------------------------------- vLLM layouts
+#
+# Paged per-layer views [num_blocks, H, block_size, 2*hd] built by vLLM's own
+# create_kv_cache_views / compute_layout_strides (tests/core/vllm_kv_views.py) for every
+# KVCacheLayout, with padded pages, kernel-block splits and misaligned group starts.
+
+from vllm_kv_views import ALL_LAYOUTS, vllm_kv_views  # noqa: E402
+
+from vtoken.kernels import (  # noqa: E402
+    move_tokens_paged,
+    move_tokens_paged_reference,
+    move_tokens_paged_triton,
+)
+
+
+def paged_oracle(caches, src, dst):
+    """Token by token, head by head, through the logical [B, H, N, C] indices."""
+    bs = caches[0].shape[2]
+    for c in caches:
+        old = {int(s): [bits(c)[int(s) // bs, h, int(s) % bs].clone() for h in range(c.shape[1])]
+               for s in src}
+        for s, d in zip(src.tolist(), dst.tolist()):
+            for h in range(c.shape[1]):
+                bits(c)[d // bs, h, d % bs] = old[s][h]
+
+
+@st.composite
+def paged_case(draw):
+    layout = draw(st.sampled_from(ALL_LAYOUTS))
+    compact = set(layout.value[:2]) == {0, 1}
+    pad = draw(st.sampled_from([0, 0, 8, 6])) if compact else 0
+    # Kernel-block splits need dense, layer-outer pages (vLLM raises otherwise).
+    split = draw(st.booleans()) and pad == 0 and layout.name in ("LBNHC", "LBHNC")
+    dtype = draw(st.sampled_from(DTYPES))
+    hd = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    h = draw(st.integers(1, 3))
+    bs = draw(st.sampled_from([2, 4, 8]))
+    layers = draw(st.integers(1, 3))
+    nb = draw(st.integers(2, 4))
+    lead = draw(st.integers(0, 3)) * dtype.itemsize if dtype.itemsize < 8 else 0
+    seed = draw(st.integers(0, 2**31 - 1))
+    m = draw(st.integers(0, nb * bs // 2))
+    return layout, pad, split, dtype, hd, h, bs, layers, nb, lead, seed, m
+
+
+def build_paged(case):
+    layout, pad, split, dtype, hd, h, bs, layers, nb, lead, seed, m = case
+    gen = torch.Generator().manual_seed(seed)
+    raw, caches = vllm_kv_views(
+        layout, num_layers=layers, num_blocks=nb, block_size=bs, num_kv_heads=h, head_size=hd,
+        dtype=dtype, page_pad_bytes=pad * dtype.itemsize, lead_bytes=lead,
+        kernel_block_size=bs // 2 if split else None,
+    )
+    raw.copy_(torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8))
+    if dtype.is_floating_point:  # no NaN patterns, so float comparisons are exact too
+        for c in caches:
+            c.copy_(torch.randn(c.shape, generator=gen).to(dtype))
+    num_slots = caches[0].shape[0] * caches[0].shape[2]
+    perm = torch.randperm(num_slots, generator=gen)
+    return raw, caches, perm[m : 2 * m].clone(), perm[:m].clone()
+
+
+def _rebind_one(c, raw, new_raw):
+    """The view ``c`` of ``raw`` (same byte offset, shape, strides) over ``new_raw``."""
+    off_bytes = c.data_ptr() - raw.data_ptr()
+    item = c.element_size()
+    tail = new_raw[off_bytes:]
+    typed = tail[: tail.numel() // item * item].view(c.dtype)
+    return typed.as_strided(c.shape, c.stride())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(paged_case())
+def test_paged_reference_matches_oracle(case):
+    raw, caches, src, dst = build_paged(case)
+    exp_raw = raw.clone()
+    paged_oracle([_rebind_one(c, raw, exp_raw) for c in caches], src, dst)
+    move_tokens_paged_reference(caches, src, dst)
+    assert torch.equal(raw, exp_raw)
+
+
+@needs_triton
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(paged_case())
+def test_paged_triton_matches_reference_bitwise(interpret, case):
+    """Every vLLM layout: the whole backing buffer (other layers, page padding, bytes before
+    the group) equals the reference's, byte for byte."""
+    raw, caches, src, dst = build_paged(case)
+    ref_raw = raw.clone()
+    move_tokens_paged_reference([_rebind_one(c, raw, ref_raw) for c in caches], src, dst)
+    move_tokens_paged_triton(caches, src, dst, debug=True)
+    assert torch.equal(raw, ref_raw)
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda x: x.name)
+def test_paged_triton_hand_case_every_layout(interpret, layout):
+    """Token s, head h, element c holds 1000*s + 100*h + c; move 9 -> 1 and 14 -> 2."""
+    raw, caches = vllm_kv_views(layout, num_layers=2, num_blocks=4, block_size=4,
+                                num_kv_heads=2, head_size=2, dtype=torch.float32)
+    slot = torch.arange(16).view(4, 1, 4, 1)  # [B, 1, N, 1]: block * 4 + offset
+    head = torch.arange(2).view(1, 2, 1, 1)
+    col = torch.arange(4).view(1, 1, 1, 4)
+    for i, c in enumerate(caches):
+        c.copy_((1000 * slot + 100 * head + col + 10000 * i).float())
+    exp = [c.clone() for c in caches]
+    move_tokens_paged_triton(caches, torch.tensor([9, 14]), torch.tensor([1, 2]), debug=True)
+    for i, (c, e) in enumerate(zip(caches, exp)):
+        e[0, :, 1] = e[2, :, 1]
+        e[0, :, 2] = e[3, :, 2]
+        assert torch.equal(c, e)
+        assert c[0, 1, 1, 3].item() == 1000 * 9 + 100 + 3 + 10000 * i
+
+
+def test_paged_dispatch_cpu_uses_reference():
+    raw, caches = vllm_kv_views(ALL_LAYOUTS[0], num_layers=1, num_blocks=2, block_size=2,
+                                num_kv_heads=1, head_size=1, dtype=torch.float32)
+    caches[0].copy_(torch.arange(8.0).view(2, 1, 2, 2))
+    move_tokens_paged(caches, torch.tensor([3]), torch.tensor([0]))
+    assert caches[0].flatten().tolist() == [6.0, 7.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: [torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4, dtype=torch.float16)], "dtype"),
+        (lambda: [torch.zeros(2, 1, 2, 4), torch.zeros(3, 1, 2, 4)], "shape"),
+        (lambda: [torch.zeros(2, 1, 2)], "4-D"),
+        (lambda: [torch.zeros(2, 1, 4, 2).transpose(2, 3)], "contiguous"),
+    ],
+)
+def test_paged_validation_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        move_tokens_paged_reference(make(), T([0]), T([1]))
+
+
+BIG_OFFSET_SCRIPT = r"""
+import os, resource, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+sys.path.insert(0, os.environ["VIEWS_DIR"])
+from vllm_kv_views import vllm_kv_views
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vtoken.kernels import move_tokens_paged_triton
+
+# uint8 elements, head_size 2 + head_size_v 1: C = 3 bytes, so the kernel's word is one byte
+# and its offsets are counted in elements. 2 layers x 2^30/3*... blocks: the last slots sit
+# past 2^31 (and 2^32) elements. torch.empty leaves the pages untouched, so only the pages
+# of the rows read or written below become resident (a few MiB, not 4.5 GiB).
+bs, H = 16, 2
+page = bs * H * 3
+nb = (2**32 + 2**28) // (2 * page) + 1
+for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC):
+    raw, caches = vllm_kv_views(layout, num_layers=2, num_blocks=nb, block_size=bs,
+                                num_kv_heads=H, head_size=2, head_size_v=1, dtype=torch.uint8)
+    top = nb * bs
+    src = torch.tensor([top - 1, top - bs - 3, 5, top // 2 + 7], dtype=torch.int64)
+    dst = torch.tensor([1, top - 2, top - 7 * bs, 3], dtype=torch.int64)
+    near = torch.cat([dst - 1, dst + 1]).clamp(0, top - 1)
+    near = near[~torch.isin(near, dst)]
+    def rows(c, s):
+        return c[s // bs, :, s % bs].clone()  # [M, H, C] via torch's own int64 indexing
+    gen = torch.Generator().manual_seed(0)
+    for c in caches:
+        for s in torch.cat([src, dst, near]).tolist():
+            c[s // bs, :, s % bs] = torch.randint(0, 256, (H, 3), generator=gen, dtype=torch.uint8)
+    max_off = max((c[-1, -1, -1, -1].data_ptr() - raw.data_ptr()) for c in caches)
+    assert max_off > 2**32, max_off
+    want = [rows(c, src) for c in caches]
+    keep = [rows(c, near) for c in caches]
+    move_tokens_paged_triton(caches, src, dst, debug=True)
+    for c, w, k in zip(caches, want, keep):
+        assert torch.equal(rows(c, dst), w), layout
+        assert torch.equal(rows(c, near), k), layout
+    del raw, caches
+print("RSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+print("OK")
+"""
+
+
+@needs_triton
+def test_paged_triton_offsets_past_2_31_elements():
+    """Slots whose element offset exceeds 2^32 (so int32 offset arithmetic would wrap).
+
+    Pragmatic set-up: uint8 caches with a 3-byte content dimension force one-byte words, so the
+    kernel's offsets are element offsets; the backing buffer (4.3 GiB, from vLLM's layout
+    functions) comes from ``torch.empty``, whose pages stay unallocated until touched, so the
+    run only makes the handful of touched pages resident. It runs in a subprocess so that a
+    wrong (wrapped) address would crash that process, not the test session.
+    """
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               VIEWS_DIR=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", BIG_OFFSET_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    assert out.stdout.strip().endswith("OK")
+    rss_mb = int(out.stdout.split("RSS_MB")[1].split()[0])
+    assert rss_mb < 2048, f"peak RSS {rss_mb} MiB: the large buffer was touched"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="no CUDA")
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_cuda_paged_move_every_layout(monkeypatch, layout, dtype):
+    """On a GPU: the compiled paged kernel against the reference on vLLM-built CUDA views
+    (SmolLM2-like: 3 KV heads x 2 x 64, bs 16, 4 layers), the whole backing buffer compared."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator().manual_seed(0)
+    raw, caches = vllm_kv_views(layout, num_layers=4, num_blocks=64, block_size=16,
+                                num_kv_heads=3, head_size=64, dtype=dtype, device="cuda")
+    raw.copy_(torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8).cuda())
+    perm = torch.randperm(64 * 16, generator=gen)
+    src, dst = perm[:300].cuda(), perm[300:600].cuda()
+    before, ref_raw = raw.clone(), raw.clone()
+    move_tokens_paged_reference([_rebind_one(c, raw, ref_raw) for c in caches], src, dst)
+    move_tokens_paged(caches, src, dst, debug=True)
+    torch.cuda.synchronize()
+    assert torch.equal(raw, ref_raw)
+    assert not torch.equal(raw, before)  # the moves changed bytes, so equality means something

@@ -12,6 +12,11 @@ Terminology used throughout ``vtoken.kernels``:
   ``kv[0].view(num_blocks * block_size, H * hd)``, or a slot-strided view of an
   ``[num_blocks, block_size, 2, H, hd]`` cache). All views of one call share shape, dtype and
   device.
+* **paged cache**: a 4-D per-layer view ``[num_blocks, num_kv_heads, block_size, C]`` with
+  arbitrary block/head/token strides and a contiguous content dimension ``C`` (K then V,
+  ``C = 2 * head_size``): the view vLLM's ``create_kv_cache_views`` hands every attention
+  backend, whatever the ``KVCacheLayout``. A token's global slot id is
+  ``block_id * block_size + offset`` in the view's block unit.
 * **src / dst**: int64 ``[M]`` tensors of global slot ids. ``src[i]`` is copied to ``dst[i]``.
   The two sets are disjoint and ``dst`` has no repeated slot (``src`` may repeat).
 
@@ -32,10 +37,14 @@ import torch
 
 __all__ = [
     "move_tokens",
+    "move_tokens_paged",
+    "move_tokens_paged_reference",
+    "move_tokens_paged_triton",
     "move_tokens_reference",
     "move_tokens_triton",
     "triton_available",
     "validate_moves",
+    "validate_paged_caches",
     "validate_views",
 ]
 
@@ -100,6 +109,61 @@ def validate_views(views: Sequence[torch.Tensor]) -> tuple[int, int, torch.dtype
                 f"views[{i}] has slot stride {v.stride(0)} < row length {row}; rows would overlap"
             )
     return int(first.shape[0]), int(first.shape[1]), first.dtype, first.device
+
+
+def validate_paged_caches(
+    caches: Sequence[torch.Tensor],
+) -> tuple[int, int, int, int, torch.dtype, torch.device]:
+    """Check that ``caches`` is a list of compatible paged per-layer views.
+
+    Args:
+        caches: sequence of 4-D tensors ``[num_blocks, num_kv_heads, block_size, C]``, any
+            dtype, any device, any non-negative block/head/token strides.
+
+    Returns:
+        ``(num_blocks, num_kv_heads, block_size, C, dtype, device)`` shared by all caches; for
+        an empty sequence ``(0, 0, 1, 0, torch.uint8, cpu)``.
+
+    Raises:
+        ValueError: a cache is not a tensor, is not 4-D, has a non-contiguous content
+            dimension (``stride(3) != 1`` with ``C > 1``), or differs from the first cache in
+            shape, dtype or device.
+    """
+    if len(caches) == 0:
+        return 0, 0, 1, 0, torch.uint8, torch.device("cpu")
+    first = caches[0]
+    for i, c in enumerate(caches):
+        if not isinstance(c, torch.Tensor):
+            raise ValueError(f"caches[{i}] is a {type(c).__name__}, expected a torch.Tensor")
+        if c.dim() != 4:
+            raise ValueError(
+                f"caches[{i}] has shape {tuple(c.shape)}; paged caches must be 4-D "
+                "[num_blocks, num_kv_heads, block_size, C]"
+            )
+        if c.shape != first.shape:
+            raise ValueError(
+                f"caches[{i}] has shape {tuple(c.shape)} but caches[0] has "
+                f"{tuple(first.shape)}; all caches must have the same shape"
+            )
+        if c.dtype != first.dtype:
+            raise ValueError(
+                f"caches[{i}] has dtype {c.dtype} but caches[0] has {first.dtype}; "
+                "all caches must share one dtype"
+            )
+        if c.device != first.device:
+            raise ValueError(
+                f"caches[{i}] is on {c.device} but caches[0] is on {first.device}; "
+                "all caches must be on one device"
+            )
+        if c.shape[3] > 1 and c.stride(3) != 1:
+            raise ValueError(
+                f"caches[{i}] has content stride {c.stride(3)}; the last dimension (C) must be "
+                "contiguous (stride 1)"
+            )
+        if any(st < 0 for st in c.stride()):
+            raise ValueError(f"caches[{i}] has a negative stride {c.stride()}")
+    nb, h, bs, content = (int(x) for x in first.shape)
+    return nb, h, bs, content, first.dtype, first.device
 
 
 def validate_moves(
@@ -213,6 +277,42 @@ def move_tokens_reference(
         bits[dst] = bits[src]
 
 
+def move_tokens_paged_reference(
+    caches: Sequence[torch.Tensor],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    check_overlap: bool = True,
+) -> None:
+    """Move tokens ``src[i] -> dst[i]`` (every head, all ``C`` elements) in every paged cache
+    with plain PyTorch indexing (gather all, then scatter; bit copies).
+
+    Args:
+        caches: list of ``[num_blocks, num_kv_heads, block_size, C]`` paged views (see module
+            docstring), same shape, dtype and device.
+        src, dst: int64 ``[M]`` global slot ids; moved to the caches' device if needed.
+        check_overlap: also reject overlapping ``src``/``dst`` and repeated ``dst`` ids.
+
+    Mutates:
+        every cache, token ``dst[i]`` in every head, in place.
+
+    Raises:
+        ValueError: see :func:`validate_paged_caches` and :func:`validate_moves` (the range is
+            always checked).
+    """
+    nb, _h, bs, _c, _dtype, device = validate_paged_caches(caches)
+    validate_moves(src, dst, nb * bs, check_range=len(caches) > 0, check_overlap=check_overlap)
+    if src.numel() == 0 or len(caches) == 0:
+        return
+    src = src.to(device)
+    dst = dst.to(device)
+    sb, so = src // bs, src % bs
+    db, do = dst // bs, dst % bs
+    for c in caches:
+        b = _as_bits(c)
+        b[db, :, do] = b[sb, :, so]  # [M, H, C] gathered into a new tensor first
+
+
 def triton_available() -> bool:
     """True if ``triton`` can be imported (it is optional for CPU-only installs)."""
     try:
@@ -255,6 +355,49 @@ def move_tokens_triton(
     if debug is None:
         debug = _env_flag(DEBUG_ENV)
     triton_move.move_tokens_triton(views, src, dst, debug=debug)
+
+
+def move_tokens_paged_triton(
+    caches: Sequence[torch.Tensor],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    debug: bool | None = None,
+) -> None:
+    """Move tokens ``src[i] -> dst[i]`` in every paged cache with ONE Triton kernel launch.
+
+    See :func:`vtoken.kernels.triton_move.move_tokens_paged_triton` (any block/head/token
+    strides, int64 offsets). Runs on CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+
+    Args:
+        caches, src, dst: as for :func:`move_tokens_paged_reference`.
+        debug: range/overlap checks (device syncs); ``None`` reads ``VTOKEN_KERNEL_DEBUG``.
+
+    Raises:
+        ValueError: as for :func:`move_tokens_triton`.
+        ImportError: triton is not installed.
+    """
+    from vtoken.kernels import triton_move
+
+    if debug is None:
+        debug = _env_flag(DEBUG_ENV)
+    triton_move.move_tokens_paged_triton(caches, src, dst, debug=debug)
+
+
+def move_tokens_paged(
+    caches: Sequence[torch.Tensor],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    debug: bool | None = None,
+) -> None:
+    """Move tokens in every paged cache: Triton for CUDA caches, the PyTorch reference
+    otherwise (CPU, or no triton). Arguments and errors as for the two implementations."""
+    if len(caches) > 0 and isinstance(caches[0], torch.Tensor) and caches[0].is_cuda:
+        if triton_available():
+            move_tokens_paged_triton(caches, src, dst, debug=debug)
+            return
+    move_tokens_paged_reference(caches, src, dst, check_overlap=debug is not False)
 
 
 def move_tokens(
