@@ -60,7 +60,14 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     step = 0
     max_running = 0
     t0 = time.perf_counter()
+    # A run that stops making progress (e.g. sampled tokens silently dropped) fails fast
+    # instead of looping: no request needs more steps than its prompt plus its output tokens.
+    max_steps = spec.get("max_steps") or 64 + sum(
+        len(r["prompt_token_ids"]) + r.get("max_tokens", 64) + r.get("arrive_at_step", 0) for r in spec["requests"])
     while pending or engine.has_unfinished_requests():
+        if step > max_steps:
+            raise RuntimeError(f"harness: no progress after {step} engine steps (bound {max_steps}); "
+                               f"unfinished: {sorted(set(tokens) - set(finish))[:10]}")
         while pending and pending[0].get("arrive_at_step", 0) <= step:
             r = pending.pop(0)
             sp = SamplingParams(
