@@ -71,15 +71,15 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("kv_cache_dtype", "--kv-cache-dtype", "start-up",
             "the token-move layout probe covers fp32/bf16/fp16 caches only (fp8 and quantized caches untested); "
             f"allowed: {', '.join(KV_CACHE_DTYPES)} (auto: a model dtype of {', '.join(MODEL_DTYPES)})"),
-    Refusal("sliding_window", "sliding-window or hybrid (mixed layer types) models", "start-up",
+    Refusal("sliding_window", "sliding-window or mixed layer types (model feature)", "start-up",
             "the block manager of a non-full-attention layer group does not follow the token table"),
-    Refusal("mamba", "hybrid / Mamba (state-space) models", "start-up",
+    Refusal("mamba", "hybrid / Mamba state-space layers (model feature)", "start-up",
             "their per-request state is not a token-indexed KV cache"),
-    Refusal("alibi", "ALiBi models (model feature: alibi)", "start-up",
+    Refusal("alibi", "ALiBi (model feature)", "start-up",
             "ALiBi biases attention by key index, so a repack changes outputs, and the scorer ignores the bias"),
-    Refusal("softcap", "attention logit soft-capping (model feature: attn_logit_softcapping)", "start-up",
+    Refusal("softcap", "attention logit soft-capping (model feature)", "start-up",
             "the scorer computes softmax(q K^T * scale) without the cap, so its scores are not the model's"),
-    Refusal("sinks", "learned attention sinks (model feature: attention sinks, e.g. gpt-oss)", "start-up",
+    Refusal("sinks", "learned attention sinks (model feature, e.g. gpt-oss)", "start-up",
             "the scorer's softmax has no sink logit, so its scores are not the model's"),
     Refusal("block_size", "--block-size not usable by the CPU attention backend", "start-up",
             "the CPU backend needs a multiple of 32 (stock vLLM fails later, inside the worker)"),
@@ -101,8 +101,8 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
 
     Raises:
         VTokenConfigError: ``vToken does not support <option> = <value> yet: <reason>[ (<detail>)]``
-            for an option; ``vToken does not support model <value> yet: it has <feature>[ (<detail>)]:
-            <reason>`` for a model feature.
+            for an option; ``vToken does not support model <value> yet: <feature> (model feature)[,
+            <detail>]: <reason>`` for a model feature.
         KeyError: ``key`` is not in the table (a refusal the README would not list).
     """
     r = _BY_KEY[key]
@@ -110,7 +110,8 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
     if r.option.startswith("--"):
         option = r.option.split(" ", 1)[0]
         raise VTokenConfigError(f"vToken does not support {option} = {value!r} yet: {r.reason}{extra}")
-    raise VTokenConfigError(f"vToken does not support model {value!r} yet: it has {r.option}{extra}: {r.reason}")
+    extra = f", {detail}" if detail else ""
+    raise VTokenConfigError(f"vToken does not support model {value!r} yet: {r.option}{extra}: {r.reason}")
 
 
 # ---------------------------------------------------------------------- start-up checks
@@ -243,5 +244,21 @@ def readme_block() -> str:
     return "\n".join(lines)
 
 
+def write_readme(path: str = "README.md") -> None:
+    """Replace the block between the markers of ``path`` with :func:`readme_block`."""
+    with open(path) as f:
+        text = f.read()
+    i, j = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    with open(path, "w") as f:
+        f.write(text[:i] + readme_block() + text[j:])
+
+
 if __name__ == "__main__":
-    print(readme_block())
+    import sys
+
+    # ``python -m vtoken.integrations.vllm.refusals`` rewrites README.md's block in place
+    # (run from the repository root); ``--print`` prints the block instead.
+    if "--print" in sys.argv[1:]:
+        print(readme_block())
+    else:
+        write_readme()

@@ -1,0 +1,75 @@
+"""Start-up and front-end checks of issue 15 in one process, no engine started.
+
+``python _startup_probe.py CASES.json OUT.json``. Each case is ``{"id", "engine": {EngineArgs
+kwargs}, "then": [checks]}``: it runs ``EngineArgs(**engine).create_engine_config()`` with the
+vToken plugin registered and records ``ok``, the exception (class, module, message) and the
+WARNING records of the ``vllm.vtoken`` logger emitted meanwhile; after a successful config it
+runs each check of ``then`` in the same process (the front end that built the config):
+
+* ``{"sampling_params": {extra_args}}``: ``SamplingParams(max_tokens=4, extra_args=...)``;
+  records ``ok`` or the ``ValueError`` message;
+* ``{"streaming_input": {extra_args}}``: ``AsyncLLM._validate_streaming_input_sampling_params``
+  on such params (what vLLM calls for a streaming-input request); records ``ok`` or the error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[str] = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+def _err(e: BaseException) -> dict:
+    return dict(ok=False, type=type(e).__name__, module=type(e).__module__, msg=str(e))
+
+
+def main() -> int:
+    cases = json.loads(open(sys.argv[1]).read())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # no engine here, nothing to bridge
+    import vtoken.integrations.vllm.plugin as plugin
+
+    plugin.register()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    cap = _Capture()
+    logging.getLogger("vllm.vtoken").addHandler(cap)
+    out = {}
+    for c in cases:
+        cap.records.clear()
+        try:
+            EngineArgs(**c["engine"]).create_engine_config()
+            r = dict(ok=True)
+        except Exception as e:  # noqa: BLE001 - every failure is recorded and judged by the test
+            r = _err(e)
+        r["warnings"] = list(cap.records)
+        checks = []
+        for chk in c.get("then", []) if r["ok"] else []:
+            try:
+                if "sampling_params" in chk:
+                    SamplingParams(max_tokens=4, extra_args=chk["sampling_params"])
+                else:
+                    sp = SamplingParams(max_tokens=4, extra_args=chk["streaming_input"])
+                    AsyncLLM._validate_streaming_input_sampling_params(sp)
+                checks.append(dict(ok=True))
+            except Exception as e:  # noqa: BLE001
+                checks.append(_err(e))
+        r["then"] = checks
+        out[c["id"]] = r
+    open(sys.argv[2], "w").write(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
