@@ -10,6 +10,11 @@ runs each check of ``then`` in the same process (the front end that built the co
   records ``ok`` or the ``ValueError`` message;
 * ``{"streaming_input": {extra_args}}``: ``AsyncLLM._validate_streaming_input_sampling_params``
   on such params (what vLLM calls for a streaming-input request); records ``ok`` or the error.
+
+A case with ``"compare_stock": true`` first builds the same engine args without the ``vtoken``
+key (stock) and records what vToken changed compared with it: ``changed_fields`` (``EngineArgs``
+attributes whose value after ``create_engine_config`` differs, ``additional_config`` aside) and
+``changed_env`` (environment variables whose value differs).
 """
 
 from __future__ import annotations
@@ -44,16 +49,33 @@ def main() -> int:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     cap = _Capture()
-    logging.getLogger("vllm.vtoken").addHandler(cap)
     out = {}
     for c in cases:
+        stock = None
+        if c.get("compare_stock"):
+            kw = dict(c["engine"])
+            kw.pop("additional_config", None)
+            sargs = EngineArgs(**kw)
+            sargs.create_engine_config()
+            stock = ({k: repr(v) for k, v in vars(sargs).items()}, dict(os.environ))
         cap.records.clear()
+        # (re)attach: vLLM's logging set-up clears the handlers of vllm.* child loggers
+        lg = logging.getLogger("vllm.vtoken")
+        if cap not in lg.handlers:
+            lg.addHandler(cap)
+        args = None
         try:
-            EngineArgs(**c["engine"]).create_engine_config()
+            args = EngineArgs(**c["engine"])
+            args.create_engine_config()
             r = dict(ok=True)
         except Exception as e:  # noqa: BLE001 - every failure is recorded and judged by the test
             r = _err(e)
         r["warnings"] = list(cap.records)
+        if stock is not None and args is not None:
+            after = {k: repr(v) for k, v in vars(args).items()}
+            r["changed_fields"] = sorted(k for k in after if k != "additional_config" and after[k] != stock[0].get(k))
+            r["changed_env"] = sorted(k for k in set(os.environ) | set(stock[1])
+                                      if os.environ.get(k) != stock[1].get(k))
         checks = []
         for chk in c.get("then", []) if r["ok"] else []:
             try:
