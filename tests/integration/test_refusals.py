@@ -120,6 +120,24 @@ def test_check_model_refuses_naming_the_feature(name):
                              f"{row.reason}")
 
 
+@pytest.mark.parametrize("impl, key, detail", [
+    (dict(alibi_slopes=[0.5, 0.25], logits_soft_cap=None, sinks=None), "alibi", "layer l1: alibi_slopes"),
+    (dict(alibi_slopes=None, logits_soft_cap=30.0, sinks=None), "softcap", "layer l1: logits_soft_cap=30.0"),
+    (dict(alibi_slopes=None, logits_soft_cap=0, sinks=[0.1, 0.2]), "sinks", "layer l1: sinks"),
+    (dict(alibi_slopes=None, logits_soft_cap=None, sinks=None), None, None),
+])
+def test_check_attention_layers(impl, key, detail):
+    plain = SimpleNamespace(impl=SimpleNamespace(alibi_slopes=None, logits_soft_cap=None, sinks=None))
+    layers = {"l0": plain, "l1": SimpleNamespace(impl=SimpleNamespace(**impl)), "other": SimpleNamespace()}
+    if key is None:
+        refusals.check_attention_layers("m", layers)
+        return
+    with pytest.raises(VTokenConfigError) as ei:
+        refusals.check_attention_layers("m", layers)
+    row = next(r for r in REFUSALS if r.key == key)
+    assert str(ei.value) == f"vToken does not support model 'm' yet: {row.option}, {detail}: {row.reason}"
+
+
 # ---------------------------------------------------------------------- KV-cache dtype
 def _kv_layout_dtypes() -> set[str]:
     spec = importlib.util.spec_from_file_location("_kv_layout_test", ROOT / "tests/integration/test_kv_layout.py")

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from vtoken.config import VTokenConfigError
 
 __all__ = ["Refusal", "Override", "REFUSALS", "OVERRIDES", "refuse", "check_engine_args", "check_model",
-           "model_attention_features", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block"]
+           "model_attention_features", "check_attention_layers", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block"]
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,30 @@ def check_model(vcfg) -> None:
         refuse("sliding_window", mc.model, f"sliding_window={sw!r}, layer_types={sorted(set(layer_types)) or None}")
     if getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False):
         refuse("mamba", mc.model)
+
+
+def check_attention_layers(model: str, layers: dict) -> None:
+    """The exact form of :func:`check_model`'s feature checks, on the loaded attention layers.
+
+    For the worker to call after ``load_model`` (``layers``: name -> vLLM ``Attention`` layer,
+    e.g. ``compilation_config.static_forward_context``): refuses a layer whose attention
+    implementation has ``alibi_slopes``, a ``logits_soft_cap`` or learned ``sinks`` (the
+    attributes vLLM's attention implementations keep them in), whatever the config says.
+
+    Raises:
+        VTokenConfigError: names the model, the feature and the first layer that has it.
+    """
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        if impl is None:
+            continue
+        if getattr(impl, "alibi_slopes", None) is not None:
+            refuse("alibi", model, f"layer {name}: alibi_slopes")
+        cap = getattr(impl, "logits_soft_cap", None)
+        if cap:
+            refuse("softcap", model, f"layer {name}: logits_soft_cap={cap!r}")
+        if getattr(impl, "sinks", None) is not None:
+            refuse("sinks", model, f"layer {name}: sinks")
 
 
 # ---------------------------------------------------------------------- README
