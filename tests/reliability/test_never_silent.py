@@ -41,6 +41,7 @@ import pytest
 
 from e2e_server import MODEL_NAME, run_server
 
+from vtoken.config import VTokenConfigError, parse_config
 from vtoken.integrations.vllm.refusals import OVERRIDES, REFUSALS
 
 HERE = Path(__file__).resolve().parent
@@ -50,10 +51,24 @@ pytestmark = pytest.mark.engine
 ENGINE_VT = {"policy": "h2o", "budget": 64, "sink_tokens": 4}
 PREFIX_WARNING = ("vToken: prefix caching turned off (--no-enable-prefix-caching): repacking live tokens "
                   "changes block contents, so block hashes would lie")
-CONTRADICTS = ("vllm_xargs.vtoken_budget = {b}: contradicts the engine's vtoken config: vtoken.sink_tokens + "
-               "vtoken.recent_tokens = 4 + 0 = 4 exceeds vtoken.budget = {b}; allowed: sink_tokens + "
-               "recent_tokens <= budget")
-BOOL_BUDGET = "vllm_xargs.vtoken_budget = True: Value error, expected a number, not a boolean"
+
+
+def _start_up_msg(vt: dict) -> str:
+    """The start-up error for engine config ``vt`` (the reference the request path must match)."""
+    with pytest.raises(VTokenConfigError) as ei:
+        parse_config(vt)
+    return str(ei.value)
+
+
+def _contradicts(b: int) -> str:
+    # the request names its field, then the engine rule its effective config breaks, verbatim
+    return (f"vllm_xargs.vtoken_budget = {b}: contradicts the engine's vtoken config: "
+            + _start_up_msg(dict(ENGINE_VT, budget=b)))
+
+
+# the start-up message for budget: true, with the request's field name
+BOOL_BUDGET = _start_up_msg({"budget": True}).replace("vtoken.budget = ", "vllm_xargs.vtoken_budget = ", 1)
+assert BOOL_BUDGET.startswith("vllm_xargs.vtoken_budget = True: ") and "not a boolean" in BOOL_BUDGET
 STREAMING = next(r for r in REFUSALS if r.key == "streaming_input")
 STREAMING_MSG = (f"vToken does not support {STREAMING.option} yet: {STREAMING.reason}; send each turn as its own "
                  "request, or set vllm_xargs.vtoken_enable = false for this request")
@@ -100,8 +115,8 @@ def _engine(model: str, vt=ENGINE_VT, **extra) -> dict:
 
 
 SP_CHECKS = [
-    ({"vtoken_budget": 1}, CONTRADICTS.format(b=1)),
-    ({"vtoken_budget": 3}, CONTRADICTS.format(b=3)),
+    ({"vtoken_budget": 1}, _contradicts(1)),
+    ({"vtoken_budget": 3}, _contradicts(3)),
     ({"vtoken_budget": 4}, None),
     ({"vtoken_budget": 1, "vtoken_enable": False}, None),  # eviction off: nothing to contradict
     ({"vtoken_budget": True}, BOOL_BUDGET),
@@ -233,8 +248,8 @@ def _post(server, kind: str, xargs, max_tokens: int = 4, prompt: str = "hello"):
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 @pytest.mark.parametrize("xargs, msg", [
-    ({"vtoken_budget": 1}, CONTRADICTS.format(b=1)),
-    ({"vtoken_budget": 3, "vtoken_enable": True}, CONTRADICTS.format(b=3)),
+    ({"vtoken_budget": 1}, _contradicts(1)),
+    ({"vtoken_budget": 3, "vtoken_enable": True}, _contradicts(3)),
     ({"vtoken_budget": True}, BOOL_BUDGET),
 ])
 def test_server_bad_override_is_400_naming_the_field(server, kind, xargs, msg):
