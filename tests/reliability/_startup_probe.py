@@ -9,7 +9,11 @@ runs each check of ``then`` in the same process (the front end that built the co
 * ``{"sampling_params": {extra_args}}``: ``SamplingParams(max_tokens=4, extra_args=...)``;
   records ``ok`` or the ``ValueError`` message;
 * ``{"streaming_input": {extra_args}}``: ``AsyncLLM._validate_streaming_input_sampling_params``
-  on such params (what vLLM calls for a streaming-input request); records ``ok`` or the error.
+  on such params (what vLLM calls for a streaming-input request); records ``ok`` or the error;
+* ``{"streaming_add_request": {extra_args}}``: ``AsyncLLM.add_request`` with an async generator
+  of ``StreamingInput`` (vLLM's streaming-input API) on an ``AsyncLLM`` without an engine
+  (``_NoEngine``: just the attributes ``add_request`` reads before it routes the request);
+  records ``ok`` or the error.
 
 A case with ``"compare_stock": true`` first builds the same engine args without the ``vtoken``
 key (stock) and records what vToken changed compared with it: ``changed_fields`` (``EngineArgs``
@@ -32,6 +36,28 @@ class _Capture(logging.Handler):
 
     def emit(self, record):
         self.records.append(record.getMessage())
+
+
+def _streaming_add_request(extra_args: dict) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.engine.protocol import StreamingInput
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    class _NoEngine(AsyncLLM):
+        errored = False
+
+        def __init__(self):  # no engine: add_request must refuse before it needs one
+            self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(kv_sharing_fast_prefill=False))
+            self.observability_config = SimpleNamespace(otlp_traces_endpoint=None)
+
+    async def chunks():
+        yield StreamingInput(prompt="hello")
+
+    sp = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
+    asyncio.run(_NoEngine().add_request("stream-1", chunks(), sp))
 
 
 def _err(e: BaseException) -> dict:
@@ -81,6 +107,8 @@ def main() -> int:
             try:
                 if "sampling_params" in chk:
                     SamplingParams(max_tokens=4, extra_args=chk["sampling_params"])
+                elif "streaming_add_request" in chk:
+                    _streaming_add_request(chk["streaming_add_request"])
                 else:
                     sp = SamplingParams(max_tokens=4, extra_args=chk["streaming_input"])
                     AsyncLLM._validate_streaming_input_sampling_params(sp)

@@ -130,6 +130,7 @@ def probe(tiny_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("startup")
     models = _model_dirs(tiny_path, d)
     then = [{"sampling_params": x} for x, _ in SP_CHECKS] + [{"streaming_input": x} for x, _ in STREAM_CHECKS]
+    then += [{"streaming_add_request": {}}]
     cases = [
         dict(id="base", engine=_engine(tiny_path), then=then, compare_stock=True),
         dict(id="prefix_off", engine=_engine(tiny_path, enable_prefix_caching=False)),
@@ -167,6 +168,8 @@ def test_streaming_input_refused_by_name(probe):
     assert got[0]["ok"] is False and got[0]["type"] == "VLLMValidationError", got[0]
     assert got[0]["msg"] == STREAMING_MSG
     assert got[1] == {"ok": True}  # vtoken_enable false: vToken keeps out of it
+    # through vLLM's streaming-input API (AsyncLLM.add_request with an async generator)
+    assert (got[2]["ok"], got[2].get("type"), got[2].get("msg")) == (False, "VLLMValidationError", STREAMING_MSG)
 
 
 def test_inert_engine_checks_nothing(probe):
