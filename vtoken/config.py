@@ -165,13 +165,23 @@ class RequestOverrides(BaseModel):
     booleans into ints; false turns eviction off for this request),
     ``vtoken_budget`` (int tokens >= 1), ``vtoken_policy`` (a registered policy name).
     Other ``extra_args`` keys are ignored (they may belong to someone else).
+
+    One rule for both paths: ``vtoken_budget`` and ``vtoken_policy`` are validated exactly
+    as the engine's ``budget`` and ``policy`` (same coercions, same refusals, same message
+    after the field name: ``vllm_xargs.vtoken_budget = True: ...`` where start-up says
+    ``vtoken.budget = True: ...``). A boolean budget is refused on both paths.
     """
 
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
-    vtoken_enable: bool = True
+    vtoken_enable: bool = Field(True, strict=True)
     vtoken_budget: Optional[int] = Field(None, ge=1)
     vtoken_policy: Optional[str] = None
+
+    @field_validator("vtoken_budget", mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        return VTokenConfig._no_bool(v)  # the engine's rule for ``budget``, verbatim
 
     @field_validator("vtoken_enable", mode="before")
     @classmethod
@@ -189,14 +199,17 @@ class RequestOverrides(BaseModel):
         if self.vtoken_policy is not None:
             known = _known_policies()
             if self.vtoken_policy not in known:
-                raise ValueError(f"vtoken_policy = {self.vtoken_policy!r}: unknown policy; allowed: {known}")
+                raise ValueError(
+                    f"vllm_xargs.vtoken_policy = {self.vtoken_policy!r}: unknown policy; allowed: {known}")
         return self
 
     def apply(self, base: VTokenConfig) -> VTokenConfig:
-        """The engine config with this request's overrides applied.
+        """The engine config with this request's overrides applied (the request's effective config).
 
         Raises:
-            VTokenConfigError: the combination is invalid (e.g. budget below the protections).
+            VTokenConfigError: the combination is invalid (e.g. ``vtoken_budget`` below the
+                engine's ``sink_tokens + recent_tokens``); the message names the request's
+                override field(s) and value(s), then the engine rule they break.
         """
         upd: dict[str, Any] = {}
         if self.vtoken_budget is not None:
@@ -212,7 +225,11 @@ class RequestOverrides(BaseModel):
         try:
             return VTokenConfig(**data)
         except ValidationError as e:
-            raise VTokenConfigError(_format_validation_error("vllm_xargs", e)) from None
+            fields = ", ".join(f"vllm_xargs.{k} = {getattr(self, k)!r}" for k in ("vtoken_budget", "vtoken_policy")
+                               if getattr(self, k) is not None)
+            raise VTokenConfigError(
+                f"{fields}: contradicts the engine's vtoken config: {_format_validation_error('vtoken', e)}"
+            ) from None
 
 
 def parse_config(raw: Any) -> VTokenConfig:

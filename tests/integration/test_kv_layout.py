@@ -16,7 +16,7 @@ from vtoken.integrations.vllm.kv_layout import _regions, gather_keys_cpu, move_t
 
 
 def _cases():
-    cases = [(torch.float32, "vec"), (torch.bfloat16, "vec")]
+    cases = [(torch.float32, "vec"), (torch.bfloat16, "vec"), (torch.float16, "vec")]
     if torch.cpu._is_amx_tile_supported():
         cases.append((torch.bfloat16, "amx"))
     return cases

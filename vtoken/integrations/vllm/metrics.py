@@ -36,8 +36,15 @@ process 0 while the engine config is built (before the EngineCore starts and bef
 vLLM creates its own front-end metrics): it sets ``PROMETHEUS_MULTIPROC_DIR`` to a
 temporary directory (kept if already set) and switches prometheus_client's value class
 to its multiprocess one, so vLLM's own metrics and ours are all written to the
-directory and collected together. With an in-process EngineCore
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) there is nothing to bridge and nothing changes.
+directory and collected together.
+
+Where the engine runs decides, not the variable alone: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+keeps only a *synchronous* engine (``LLM``, ``LLMEngine``) in this process, and then there
+is nothing to bridge and nothing changes. An asynchronous client (the OpenAI server's
+``AsyncLLM``) always starts the EngineCore in its own process, whatever the variable says;
+so with the variable at 0 the bridge is set up when such a client is made
+(``EngineCoreClient.make_async_mp_client``, before it starts the EngineCore process and
+before vLLM creates its stat loggers; patches/ entry of that symbol).
 Without the ``vtoken`` key nothing here runs.
 """
 
@@ -90,14 +97,37 @@ def setup_prometheus_bridge() -> Optional[str]:
     loggers. Sets ``PROMETHEUS_MULTIPROC_DIR`` to a fresh temporary directory (removed
     at exit) unless it is set already, and makes prometheus_client build multiprocess
     values from now on (it chose its value class when first imported, usually before
-    this point). Idempotent. Returns the directory, or None when the EngineCore runs in
-    this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): nothing to bridge then.
+    this point). Idempotent. Returns the directory, or None when it is not set up now:
+    with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` a synchronous engine runs in this process
+    (nothing to bridge), and the bridge is deferred to the moment an asynchronous client
+    starts an EngineCore process (see the module docstring).
     """
-    global _bridge_dir
     from vllm import envs
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-        return None  # in-process EngineCore: its metrics already live in this process's registry
+        _bridge_when_async_client_is_made()
+        return None
+    return _bridge()
+
+
+def _bridge_when_async_client_is_made() -> None:
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    orig = EngineCoreClient.make_async_mp_client
+    if getattr(orig, "_vtoken_wrapped", False):
+        return
+
+    def make_async_mp_client(*args, **kwargs):
+        # the EngineCore will run in its own process: bridge before it starts
+        _bridge()
+        return orig(*args, **kwargs)
+
+    make_async_mp_client._vtoken_wrapped = True
+    EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)
+
+
+def _bridge() -> str:
+    global _bridge_dir
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if path is None:
         _bridge_dir = tempfile.TemporaryDirectory(prefix="vtoken_prom_")

@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 import logging
 
-from vtoken.config import VTokenConfigError, parse_config, parse_request_overrides
+from vtoken.config import VTokenConfigError, parse_config
+from vtoken.integrations.vllm import frontend, refusals
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
@@ -55,10 +56,6 @@ def _vtoken_raw(additional_config):
     return additional_config
 
 
-def _refuse(option: str, value, why: str) -> None:
-    raise VTokenConfigError(f"vToken does not support {option} = {value!r} yet: {why}")
-
-
 def _wrap_create_engine_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -70,19 +67,11 @@ def _wrap_create_engine_config() -> None:
     def create_engine_config(self, *args, **kwargs):
         ac = _vtoken_raw(self.additional_config)
         if ac is None:
+            frontend.set_engine_config(None)
             return orig(self, *args, **kwargs)
         cfg = parse_config(ac["vtoken"])
-        # --- refuse what v1 cannot do, naming the option ---
-        if self.speculative_config:
-            _refuse("--speculative-config", self.speculative_config, "drafters address the KV cache by logical position")
-        if (self.pipeline_parallel_size or 1) > 1:
-            _refuse("--pipeline-parallel-size", self.pipeline_parallel_size, "scores would need a cross-stage exchange")
-        if self.kv_transfer_config is not None:
-            _refuse("--kv-transfer-config", "set", "KV connectors assume positionally stable block tables")
-        if getattr(self, "kv_events_config", None) is not None:
-            _refuse("--kv-events-config", "set", "KV events describe hashed blocks, which repacking invalidates")
-        if str(self.kv_cache_dtype).startswith("fp8"):
-            _refuse("--kv-cache-dtype", self.kv_cache_dtype, "the token-move layout probe covers fp32/bf16/fp16 caches")
+        refusals.check_engine_args(self)  # refuse, naming the option, what vToken cannot do (refusals.REFUSALS)
+        frontend.set_engine_config(cfg)  # request-time checks against this config (front-end process)
         if self.enable_prefix_caching is not False:
             logger.warning(
                 "vToken: prefix caching turned off (--no-enable-prefix-caching): repacking live tokens "
@@ -138,24 +127,14 @@ def _check_block_size(block_size) -> None:
              for s in sizes)
     if not ok:
         allowed = ", ".join(f"a multiple of {s.base}" if isinstance(s, MultipleOf) else str(s) for s in sizes)
-        raise VTokenConfigError(
-            f"--block-size = {block_size!r}: the CPU attention backend ({CPUAttentionBackend.get_name()}) "
-            f"cannot use it; allowed: {allowed} (e.g. --block-size 32)"
-        )
+        refusals.refuse("block_size", block_size, f"the CPU attention backend ({CPUAttentionBackend.get_name()}) "
+                        f"cannot use it; allowed: {allowed}, e.g. --block-size 32")
 
 
 def _check_model(vcfg) -> None:
-    mc = vcfg.model_config
-    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
-    sw = getattr(hf, "sliding_window", None)
-    layer_types = getattr(hf, "layer_types", None) or []
-    if sw or any(t != "full_attention" for t in layer_types):
-        raise VTokenConfigError(
-            f"vToken does not support model {mc.model!r} yet: it has sliding-window or hybrid layers "
-            f"(sliding_window={sw!r}, layer_types={sorted(set(layer_types)) or None})"
-        )
-    if getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False):
-        raise VTokenConfigError(f"vToken does not support model {mc.model!r} yet: hybrid/Mamba layers")
+    """Start-up refusals on the built config: model features, resolved KV-cache dtype (refusals.py)."""
+    refusals.check_model(vcfg)
+    refusals.check_kv_cache_dtype(vcfg)
 
 
 def _wrap_sampling_params_verify() -> None:
@@ -180,7 +159,7 @@ def _wrap_sampling_params_verify() -> None:
             if unknown:
                 raise ValueError(f"vllm_xargs.{unknown[0]}: unknown vToken field; allowed: {sorted(known)}")
             try:
-                parse_request_overrides(extra)
+                frontend.check_request(extra)  # the request's effective config: overrides applied to the engine's
             except VTokenConfigError as e:
                 raise ValueError(str(e)) from None
         return res

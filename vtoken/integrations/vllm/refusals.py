@@ -1,0 +1,288 @@
+"""What vToken refuses, and what it changes, in one table; the checks that apply it.
+
+:data:`REFUSALS` lists every option, model feature and request kind vToken refuses (each
+with the reason); :data:`OVERRIDES` every vLLM setting it changes (each logged with one
+warning). README's "What vToken refuses" block is generated from both by
+:func:`readme_block` (``python -m vtoken.integrations.vllm.refusals`` prints it) and
+``tests/reliability/test_never_silent.py`` checks that the README holds exactly that block.
+Every start-up refusal is raised through :func:`refuse`, which takes a key of
+:data:`REFUSALS`, so the code cannot refuse something the table (and so the README) does
+not list.
+
+Start-up checks (called by the plugin's ``create_engine_config`` wrapper, in the front-end
+process, before any weights load): :func:`check_engine_args` on the ``EngineArgs`` before
+vLLM builds its config, :func:`check_model` and :func:`check_kv_cache_dtype` on the built
+``VllmConfig``. Errors are :class:`~vtoken.config.VTokenConfigError` (a ``ValueError``):
+``vToken does not support <option> = <value> yet: <reason>[; allowed: ...]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from vtoken.config import VTokenConfigError
+
+__all__ = ["Refusal", "Override", "REFUSALS", "OVERRIDES", "refuse", "check_engine_args", "check_model",
+           "model_attention_features", "check_attention_layers", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One thing vToken refuses.
+
+    Attributes:
+        key: stable id used by the code (:func:`refuse`).
+        option: what the user set, as named in the error and the README (a CLI option,
+            a model feature or a request kind).
+        when: ``"start-up"`` or ``"request"`` (HTTP 400 / ``ValueError`` for that request only).
+        reason: why vToken cannot do it (yet).
+    """
+
+    key: str
+    option: str
+    when: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Override:
+    """One vLLM setting vToken changes when it is on (always with one warning naming it)."""
+
+    option: str
+    change: str
+    reason: str
+
+
+#: Tested KV-cache dtypes: the token-move and key-read paths are bit-exact against vLLM's
+#: packing op for these (tests/integration/test_kv_layout.py); ``auto`` means the model dtype.
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("speculative", "--speculative-config", "start-up",
+            "speculative decoding: drafters address the KV cache by logical position"),
+    Refusal("pipeline_parallel", "--pipeline-parallel-size > 1", "start-up",
+            "scores would need a cross-stage exchange"),
+    Refusal("kv_transfer", "--kv-transfer-config", "start-up",
+            "KV connectors assume positionally stable block tables"),
+    Refusal("kv_events", "--kv-events-config", "start-up",
+            "KV events describe hashed blocks, which repacking invalidates"),
+    Refusal("kv_cache_dtype", "--kv-cache-dtype", "start-up",
+            "the token-move layout probe covers fp32/bf16/fp16 caches only (fp8 and quantized caches untested); "
+            f"allowed: {', '.join(KV_CACHE_DTYPES)} (auto: a model dtype of {', '.join(MODEL_DTYPES)})"),
+    Refusal("sliding_window", "sliding-window or mixed layer types (model feature)", "start-up",
+            "the block manager of a non-full-attention layer group does not follow the token table"),
+    Refusal("mamba", "hybrid / Mamba state-space layers (model feature)", "start-up",
+            "their per-request state is not a token-indexed KV cache"),
+    Refusal("alibi", "ALiBi (model feature)", "start-up",
+            "ALiBi biases attention by key index, so a repack changes outputs, and the scorer ignores the bias"),
+    Refusal("softcap", "attention logit soft-capping (model feature)", "start-up",
+            "the scorer computes softmax(q K^T * scale) without the cap, so its scores are not the model's"),
+    Refusal("sinks", "learned attention sinks (model feature, e.g. gpt-oss)", "start-up",
+            "the scorer's softmax has no sink logit, so its scores are not the model's"),
+    Refusal("block_size", "--block-size not usable by the CPU attention backend", "start-up",
+            "the CPU backend needs a multiple of 32 (stock vLLM fails later, inside the worker)"),
+    Refusal("streaming_input", "streaming-input (resumable) requests", "request",
+            "the request keeps its blocks across input chunks while vToken's per-request state is built "
+            "for one prompt"),
+)
+
+OVERRIDES: tuple[Override, ...] = (
+    Override("--enable-prefix-caching", "turned off (--no-enable-prefix-caching), with one warning",
+             "repacking live tokens changes block contents, so block hashes would lie"),
+)
+
+_BY_KEY = {r.key: r for r in REFUSALS}
+
+
+def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
+    """Raise the refusal ``key`` of :data:`REFUSALS` for ``value``.
+
+    Raises:
+        VTokenConfigError: ``vToken does not support <option> = <value> yet: <reason>[ (<detail>)]``
+            for an option; ``vToken does not support model <value> yet: <feature> (model feature)[,
+            <detail>]: <reason>`` for a model feature.
+        KeyError: ``key`` is not in the table (a refusal the README would not list).
+    """
+    r = _BY_KEY[key]
+    extra = f" ({detail})" if detail else ""
+    if r.option.startswith("--"):
+        option = r.option.split(" ", 1)[0]
+        raise VTokenConfigError(f"vToken does not support {option} = {value!r} yet: {r.reason}{extra}")
+    extra = f", {detail}" if detail else ""
+    raise VTokenConfigError(f"vToken does not support model {value!r} yet: {r.option}{extra}: {r.reason}")
+
+
+# ---------------------------------------------------------------------- start-up checks
+def check_engine_args(args) -> None:
+    """Refuse, naming the option, what vToken cannot do; ``args`` is vLLM's ``EngineArgs``.
+
+    Raises:
+        VTokenConfigError: see :func:`refuse`.
+    """
+    if args.speculative_config:
+        refuse("speculative", args.speculative_config)
+    if (args.pipeline_parallel_size or 1) > 1:
+        refuse("pipeline_parallel", args.pipeline_parallel_size)
+    if args.kv_transfer_config is not None:
+        refuse("kv_transfer", "set")
+    if getattr(args, "kv_events_config", None) is not None:
+        refuse("kv_events", "set")
+    if str(args.kv_cache_dtype) not in KV_CACHE_DTYPES:
+        refuse("kv_cache_dtype", args.kv_cache_dtype)
+
+
+def check_kv_cache_dtype(vcfg) -> None:
+    """Refuse ``--kv-cache-dtype auto`` when the model dtype it resolves to is untested.
+
+    Raises:
+        VTokenConfigError: names ``--kv-cache-dtype``, the resolved dtype and the allowed ones.
+    """
+    cache_dtype = str(vcfg.cache_config.cache_dtype)
+    if cache_dtype not in KV_CACHE_DTYPES:
+        refuse("kv_cache_dtype", cache_dtype)
+    if cache_dtype == "auto":
+        model_dtype = str(vcfg.model_config.dtype).removeprefix("torch.")
+        if model_dtype not in MODEL_DTYPES:
+            refuse("kv_cache_dtype", "auto", f"resolves to the model dtype {model_dtype}")
+
+
+def _get(obj, name):
+    if isinstance(obj, dict):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+#: Architectures whose attention is always ALiBi / always has learned sinks in vLLM 0.32
+#: (``vllm/model_executor/models/{bloom,step1,gpt_oss}.py``).
+_ALIBI_ARCHS = {"BloomForCausalLM": "bloom", "Step1ForCausalLM": "step1"}
+_ALIBI_MODEL_TYPES = {"bloom", "step1"}
+_SINK_MODEL_TYPES = {"gpt_oss"}
+
+
+def model_attention_features(hf_config, hf_text_config=None) -> list[tuple[str, str]]:
+    """Attention features of a Hugging Face config that vToken's scorer does not reproduce.
+
+    Reads the config only (no weights): ALiBi (``alibi`` true as in Falcon,
+    ``position_embedding_type == "alibi"``, MPT's ``attn_config.alibi``, and architectures
+    that always use it: BLOOM, Step1), attention logit soft-capping
+    (``attn_logit_softcapping`` set and non-zero, as in Gemma 2; ``final_logit_softcapping``
+    caps the LM head, not attention, and is allowed), learned attention sinks (gpt-oss,
+    ``attention_sinks`` true, ``add_*_attention_sink_bias`` true).
+
+    Returns:
+        ``[(refusal key, evidence)]``, e.g. ``[("alibi", "alibi=True")]``; empty when none.
+    """
+    text = hf_text_config if hf_text_config is not None else hf_config
+    found: list[tuple[str, str]] = []
+    archs = list(_get(hf_config, "architectures") or [])
+    model_type = _get(text, "model_type") or _get(hf_config, "model_type")
+    # ALiBi
+    alibi = None
+    if _get(text, "alibi") is True:
+        alibi = "alibi=True"
+    elif _get(text, "position_embedding_type") == "alibi":
+        alibi = "position_embedding_type='alibi'"
+    elif _get(_get(text, "attn_config") or {}, "alibi") is True:
+        alibi = "attn_config.alibi=True"
+    elif model_type in _ALIBI_MODEL_TYPES or any(a in _ALIBI_ARCHS for a in archs):
+        alibi = f"model_type={model_type!r} (always ALiBi)"
+    if alibi:
+        found.append(("alibi", alibi))
+    # attention logit soft-capping
+    cap = _get(text, "attn_logit_softcapping")
+    if cap:
+        found.append(("softcap", f"attn_logit_softcapping={cap!r}"))
+    # learned attention sinks
+    sinks = None
+    if model_type in _SINK_MODEL_TYPES:
+        sinks = f"model_type={model_type!r} (learned per-head sinks)"
+    elif _get(text, "attention_sinks") is True:
+        sinks = "attention_sinks=True"
+    else:
+        for name in ("add_full_attention_sink_bias", "add_swa_attention_sink_bias"):
+            if _get(text, name) is True:
+                sinks = f"{name}=True"
+                break
+    if sinks:
+        found.append(("sinks", sinks))
+    return found
+
+
+def check_model(vcfg) -> None:
+    """Refuse models whose attention vToken's scorer or block manager does not reproduce.
+
+    Raises:
+        VTokenConfigError: names the model and the feature (with the config field that shows it).
+    """
+    mc = vcfg.model_config
+    hf = getattr(mc, "hf_config", None)
+    text = getattr(mc, "hf_text_config", None) or hf
+    for key, evidence in model_attention_features(hf, text):
+        refuse(key, mc.model, evidence)
+    sw = _get(text, "sliding_window")
+    layer_types = _get(text, "layer_types") or []
+    if sw or any(t != "full_attention" for t in layer_types):
+        refuse("sliding_window", mc.model, f"sliding_window={sw!r}, layer_types={sorted(set(layer_types)) or None}")
+    if getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False):
+        refuse("mamba", mc.model)
+
+
+def check_attention_layers(model: str, layers: dict) -> None:
+    """The exact form of :func:`check_model`'s feature checks, on the loaded attention layers.
+
+    For the worker to call after ``load_model`` (``layers``: name -> vLLM ``Attention`` layer,
+    e.g. ``compilation_config.static_forward_context``): refuses a layer whose attention
+    implementation has ``alibi_slopes``, a ``logits_soft_cap`` or learned ``sinks`` (the
+    attributes vLLM's attention implementations keep them in), whatever the config says.
+
+    Raises:
+        VTokenConfigError: names the model, the feature and the first layer that has it.
+    """
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        if impl is None:
+            continue
+        if getattr(impl, "alibi_slopes", None) is not None:
+            refuse("alibi", model, f"layer {name}: alibi_slopes")
+        cap = getattr(impl, "logits_soft_cap", None)
+        if cap:
+            refuse("softcap", model, f"layer {name}: logits_soft_cap={cap!r}")
+        if getattr(impl, "sinks", None) is not None:
+            refuse("sinks", model, f"layer {name}: sinks")
+
+
+# ---------------------------------------------------------------------- README
+README_BEGIN = "<!-- refusals: generated by `python -m vtoken.integrations.vllm.refusals`; do not edit -->"
+README_END = "<!-- /refusals -->"
+
+
+def readme_block() -> str:
+    """The README's refusals block (markers included), generated from the two tables."""
+    lines = [README_BEGIN, "", "| vToken refuses | when | why |", "|---|---|---|"]
+    lines += [f"| {r.option} | {r.when} | {r.reason} |" for r in REFUSALS]
+    lines += ["", "| vToken changes | to | why |", "|---|---|---|"]
+    lines += [f"| {o.option} | {o.change} | {o.reason} |" for o in OVERRIDES]
+    lines += ["", README_END]
+    return "\n".join(lines)
+
+
+def write_readme(path: str = "README.md") -> None:
+    """Replace the block between the markers of ``path`` with :func:`readme_block`."""
+    with open(path) as f:
+        text = f.read()
+    i, j = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    with open(path, "w") as f:
+        f.write(text[:i] + readme_block() + text[j:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    # ``python -m vtoken.integrations.vllm.refusals`` rewrites README.md's block in place
+    # (run from the repository root); ``--print`` prints the block instead.
+    if "--print" in sys.argv[1:]:
+        print(readme_block())
+    else:
+        write_readme()
