@@ -186,9 +186,6 @@ def test_start_up_warns_once_per_override(probe):
     assert OVERRIDES[0].reason in PREFIX_WARNING
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15 item 10: plugin.py still forces async_scheduling and "
-                   "VLLM_USE_V2_MODEL_RUNNER without a warning; the lead's runner change removes that "
-                   "(drop this marker then)")
 def test_every_setting_vtoken_changes_is_warned_by_name(probe):
     """Compared with stock vLLM on the same arguments, each EngineArgs field and environment
     variable vToken changes is named by one of its start-up warnings (as a CLI option)."""

@@ -83,13 +83,10 @@ def _wrap_create_engine_config() -> None:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            raise VTokenConfigError(
-                "vToken's integration currently runs on the CPU backend only (the GPU path is a later milestone)"
-            )
+            refusals.refuse("platform", getattr(current_platform, "device_name", None) or type(current_platform).__name__)
         _check_block_size(vcfg.cache_config.block_size)
         if vcfg.scheduler_config.scheduler_cls is not None:
-            _refuse("scheduler_cls", vcfg.scheduler_config.scheduler_cls,
-                    "vToken installs its own scheduler (a subclass of vLLM's Scheduler / AsyncScheduler)")
+            refusals.refuse("scheduler_cls", vcfg.scheduler_config.scheduler_cls)
         is_async = bool(vcfg.scheduler_config.async_scheduling)
         vcfg.scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = CPU_WORKER_CLS

@@ -83,6 +83,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "the scorer's softmax has no sink logit, so its scores are not the model's"),
     Refusal("block_size", "--block-size not usable by the CPU attention backend", "start-up",
             "the CPU backend needs a multiple of 32 (stock vLLM fails later, inside the worker)"),
+    Refusal("platform", "a platform other than vLLM's CPU backend (e.g. CUDA)", "start-up",
+            "the GPU worker (FlashAttention layouts, a scoring kernel, CUDA graphs) is not built yet; "
+            "the Triton move and scoring kernels in vtoken/kernels/ are ready for it"),
+    Refusal("scheduler_cls", "--scheduler-cls", "start-up",
+            "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
+            "async scheduling)"),
     Refusal("streaming_input", "streaming-input (resumable) requests", "request",
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),

@@ -42,6 +42,7 @@ class VTokenCPUModelRunner(CPUModelRunner):
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
+        self._vt.check_layers(self.model_config.model)
         self._vt.wrap_attention()
 
     def _update_states(self, scheduler_output):

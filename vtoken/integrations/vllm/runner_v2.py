@@ -49,6 +49,7 @@ class VTokenCPUModelRunnerV2(CPUModelRunnerV2):
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
+        self._vt.check_layers(self.model_config.model)
         self._vt.wrap_attention()
         ms = self.model_state
         orig = ms.prepare_attn

@@ -113,6 +113,13 @@ class VTokenSchedulerMixin:
             logger.error("vToken: request %s: %s; eviction off for this request", request.request_id, e)
             self.vt_stats.request_faults += 1
             cfg = None
+        if cfg is not None and getattr(request, "resumable", False):
+            # The front end refuses streaming-input requests by name; a path that skips it
+            # (e.g. an in-process engine) still never evicts one.
+            logger.error("vToken: request %s is a streaming-input (resumable) request, which vToken does not "
+                         "support yet; eviction off for this request", request.request_id)
+            self.vt_stats.request_faults += 1
+            cfg = None
         self._vt_req_cfg[request.request_id] = cfg
         super().add_request(request)
 

@@ -58,6 +58,17 @@ class VTokenWorkerCore:
         self._caches: Optional[list[tuple[torch.Tensor, KVLayout]]] = None
 
     # -------------------------------------------------------------- set-up
+    def check_layers(self, model_name: str) -> None:
+        """Refuse, naming the model feature, attention the scorer does not reproduce (ALiBi,
+        soft-capping, learned sinks), read from the loaded layers.
+
+        Raises:
+            VTokenConfigError: see :func:`vtoken.integrations.vllm.refusals.check_attention_layers`.
+        """
+        from vtoken.integrations.vllm.refusals import check_attention_layers
+
+        check_attention_layers(model_name, self.forward_context)
+
     def wrap_attention(self) -> int:
         """Wrap each attention impl's ``forward`` (per instance) to feed :attr:`step`; returns the count."""
         core = self
