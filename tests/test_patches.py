@@ -104,10 +104,10 @@ def test_new_subclass_without_entry_fails(tmp_path):
 def test_subclass_of_unlisted_class_and_unlisted_override(tmp_path):
     mod = tmp_path / "vt_tmp_unlisted.py"
     mod.write_text(textwrap.dedent("""
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        class Y(AsyncScheduler):
+        class Y(BlockPool):
             pass
 
         class Z(Scheduler):
@@ -115,7 +115,7 @@ def test_subclass_of_unlisted_class_and_unlisted_override(tmp_path):
                 return super()._preempt_request(*a, **k)
     """))
     text = "\n".join(_scan_only(DEFAULT_ENTRIES, [mod]))
-    assert "vllm.v1.core.sched.async_scheduler.AsyncScheduler: NO ENTRY" in text, text
+    assert "vllm.v1.core.block_pool.BlockPool: NO ENTRY" in text, text
     assert f"{SCHED}._preempt_request: NO ENTRY" in text, text
 
 

@@ -35,10 +35,7 @@ from vtoken.kernels.score import (
 )
 from vtoken.policies.base import AttentionNeed
 
-try:  # the lead is moving StepScores out of worker.py
-    from vtoken.integrations.vllm.scoring import StepScores  # type: ignore
-except ImportError:  # pragma: no cover - depends on the merge order
-    from vtoken.integrations.vllm.worker import StepScores
+from vtoken.integrations.vllm.scoring import StepScores
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
@@ -129,11 +126,11 @@ def score_rows(reqs, qsl):
 
 
 def run_step_scores(batch, reqs, hq, hkv, hd):
-    from vtoken.integrations.vllm.kv_layout import TokenLayout
+    from vtoken.integrations.vllm.kv_layout import CPUKVLayout, TokenLayout
 
     bs = batch["cpu_caches"][0].shape[2]
     ident = torch.arange(bs * hd).view(bs, hd)
-    layout = TokenLayout(idx_k=ident, idx_v=ident)
+    layout = CPUKVLayout(TokenLayout(idx_k=ident, idx_v=ident))
     st = StepScores([(i, f"r{i}", need) for i, (_, _, need) in enumerate(reqs) if need])
     meta = Meta(batch["qsl"], batch["seq_lens"], batch["bt"])
     for q, cpu in zip(batch["queries"], batch["cpu_caches"]):
