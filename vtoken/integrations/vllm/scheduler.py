@@ -99,6 +99,7 @@ class VTokenSchedulerMixin:
         trace = os.environ.get("VTOKEN_TRACE")
         self._vt_trace = open(trace, "a", buffering=1) if trace else None
         self._vt_step_no = 0
+        self._vt_freed_this_step: list[int] = []
         #: finished requests' lifetime figures (bounded; read by the harness and benchmarks)
         self.vt_finished: list[dict[str, Any]] = []
 
@@ -204,6 +205,11 @@ class VTokenSchedulerMixin:
         self._vt_step_no += 1
         if self._vt_check:
             self.vt_check_invariants(out)
+            if self._vt_freed_this_step:
+                freed = set(self._vt_freed_this_step)
+                self.vt_stats.freed_blocks_reused_same_step += sum(
+                    b.block_id in freed for blocks in self._vt_mgr.req_to_blocks.values() for b in blocks)
+        self._vt_freed_this_step = []
         if self._vt_trace is not None:
             rec = trace_record(self._vt_step_no - 1, self.kv_cache_manager.block_pool.get_num_free_blocks(),
                                payload.num_moves, out.num_scheduled_tokens, self._vt_mgr.req_to_blocks,
@@ -287,6 +293,8 @@ class VTokenSchedulerMixin:
             tail = blocks[keep:]
             del blocks[keep:]
             self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+            if self._vt_check:
+                self._vt_freed_this_step.extend(b.block_id for b in tail)
             payload.truncate[rid] = keep
             payload.kept_blocks[rid] = [b.block_id for b in blocks]
         self._vt_offset_updates[rid] = table.offset

@@ -95,6 +95,9 @@ class VTokenStats:
     repack_seconds: float = 0.0
     preemption_resets: int = 0
     request_faults: int = 0
+    #: blocks freed by an eviction and handed to a request in the same schedule() (counted
+    #: only with VTOKEN_CHECK=1; shows the tests exercise the block-reuse ordering)
+    freed_blocks_reused_same_step: int = 0
     live_tokens: int = 0
     logical_tokens: int = 0
     retained_blocks: int = 0
