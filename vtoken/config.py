@@ -91,6 +91,13 @@ class VTokenConfig(BaseModel):
     policy_args: dict[str, Any] = Field(default_factory=dict, description="policy-specific parameters")
     score_every: int = Field(1, ge=1, description="compute attention scores every k decode steps")
     log_stats: bool = Field(True, description="log a one-line vToken summary with vLLM's stats")
+    protect_cached_prefix: bool = Field(
+        True,
+        description="with vLLM prefix caching on: never evict the tokens of a request's full prompt blocks, so "
+        "they stay in the prefix cache for later requests (docs/integration.md, 'Prefix caching'); false: "
+        "protect only the prefix the request got from the cache and keep its own blocks out of the cache until "
+        "it ends. No effect with prefix caching off.",
+    )
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
                      mode="before")

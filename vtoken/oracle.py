@@ -191,6 +191,7 @@ def oracle_generate(
     return_logits: bool = False,
     policy: Optional[EvictionPolicy] = None,
     score_lag: int = 0,
+    protected_prefix: int = 0,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
 
@@ -211,13 +212,18 @@ def oracle_generate(
             (budget and slack still come from ``cfg``, which must then be given).
         score_lag: request-steps by which attention statistics reach the policy late
             (0: sync scheduling; 1: vLLM's async scheduling); see the module docstring.
+        protected_prefix: the first ``protected_prefix`` logical positions are never evicted
+            (tokens, >= 0): the engine's prefix-caching rule for this request (its cached or
+            shared prefix blocks, ``RequestState.protected``; docs/integration.md, "Prefix
+            caching"). 0: none (prefix caching off).
 
     Returns:
         :class:`OracleResult`.
 
     Raises:
         ValueError: empty prompt, ``max_new_tokens < 1``, a non-eager model, a
-            sliding-window cache layer, ``policy`` without ``cfg``, or ``score_lag < 0``.
+            sliding-window cache layer, ``policy`` without ``cfg``, ``score_lag < 0`` or
+            ``protected_prefix < 0``.
         RuntimeError: the policy returned invalid victims (out of range, duplicates).
     """
     _check_model(model)
@@ -227,6 +233,8 @@ def oracle_generate(
         raise ValueError("oracle_generate: prompt_ids is empty; allowed: at least 1 token")
     if max_new_tokens < 1:
         raise ValueError(f"oracle_generate: max_new_tokens = {max_new_tokens}; allowed: >= 1")
+    if protected_prefix < 0:
+        raise ValueError(f"oracle_generate: protected_prefix = {protected_prefix}; allowed: >= 0")
     if policy is not None and cfg is None:
         raise ValueError("oracle_generate: policy given without cfg (budget and slack come from cfg)")
     if eos_token_id is None:
@@ -292,13 +300,15 @@ def oracle_generate(
             if score_lag == 0:  # sync: fold in now (same state as just before the next decision)
                 fold_lagged(step + 1)
         elif state is not None and need == AttentionNeed.NONE:
-            view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P)
+            view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P,
+                             protected_prefix=protected_prefix)
             policy.observe(state, len(logical_pos), AttentionStats(), view)
         return out.logits[0, -1]
 
     def fold_lagged(step: int) -> None:
         for e in lagq.ready(step):
-            view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P)
+            view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P,
+                             protected_prefix=protected_prefix)
             stats = remap_stats(e.stats, e.logical_pos, logical_pos, num_logical)
             policy.observe(state, len(logical_pos), stats, view)
 
@@ -327,7 +337,8 @@ def oracle_generate(
                 fold_lagged(d)
                 k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
-                    view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P)
+                    view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P,
+                             protected_prefix=protected_prefix)
                     victims = np.asarray(policy.select_victims(state, view, k), dtype=np.int64)
                     if victims.ndim != 1 or len(victims) > k or len(np.unique(victims)) != len(victims) or (
                         len(victims) and (victims.min() < 0 or victims.max() >= n)

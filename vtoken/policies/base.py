@@ -139,11 +139,15 @@ class TokenView:
         num_logical: tokens ever appended to this request (prompt + generated so far
             whose KV is cached).
         prompt_len: number of prompt tokens (for ratio budgets and prefill-only policies).
+        protected_prefix: the first ``protected_prefix`` logical positions are never evicted
+            (tokens; with vLLM prefix caching, the request's cached/shared prefix blocks:
+            ``docs/integration.md``, "Prefix caching"); 0: none.
     """
 
     logical_pos: np.ndarray
     num_logical: int
     prompt_len: int
+    protected_prefix: int = 0
 
     @property
     def num_live(self) -> int:
@@ -244,9 +248,10 @@ class EvictionPolicy(ABC):
 
     # ----- selection (shared) -----
     def protected_mask(self, view: TokenView) -> np.ndarray:
-        """bool ``[num_live]``: slots holding sinks or recent tokens."""
+        """bool ``[num_live]``: slots holding sinks, recent tokens or the protected prefix
+        (``view.protected_prefix``)."""
         pos = view.logical_pos
-        prot = pos < self.sink_tokens
+        prot = pos < max(self.sink_tokens, view.protected_prefix)
         if self.recent_tokens > 0:
             n = view.num_live
             if self.recent_tokens >= n:

@@ -5,6 +5,13 @@
 :class:`VTokenFullAttentionManager` (a ``FullAttentionManager`` subclass, patches/ entry
 ``vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager``) asks it; it reads only
 the request states, never the scheduler.
+
+Prefix caching (docs/integration.md, "Prefix caching"): vLLM hashes a request's full blocks
+as it allocates them (``cache_blocks``). A block a vToken request may still write (a repack
+target) must never be found by another request, so :meth:`VTokenFullAttentionManager.cache_blocks`
+caches at most the request's protected prefix (``BlockAccounting.cache_cap``) while it can
+evict; the scheduler caches the blocks that stayed clean when the request ends
+(:meth:`VTokenFullAttentionManager.vt_cache_clean_prefix`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ class BlockAccounting:
     def __init__(self, states: Mapping[str, RequestState], block_size: int):
         self.states = states
         self.block_size = block_size
+        #: request id -> tokens of its prefix vLLM may hash while the request runs (prefix
+        #: caching on and the request may evict); absent: no limit (stock caching).
+        self.cache_cap: dict[str, int] = {}
 
     def delta(self, request_id: str, num_tokens: int) -> int:
         """Tokens to subtract from a logical token count to get the slots to allocate."""
@@ -66,6 +76,27 @@ class VTokenFullAttentionManager(FullAttentionManager):
     """
 
     _vt_accounting: BlockAccounting
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs):
+        """Stock caching, capped at ``BlockAccounting.cache_cap`` tokens for a request that may
+        evict (its blocks past the cap may be repack targets, so no other request may hit them)."""
+        cap = self._vt_accounting.cache_cap.get(request.request_id)
+        if cap is not None and num_tokens > cap:
+            num_tokens = cap
+        return super().cache_blocks(request, num_tokens, *args, **kwargs)
+
+    def vt_cache_clean_prefix(self, request, num_tokens: int) -> int:
+        """Cache the request's first ``num_tokens`` tokens' full blocks (stock hashing), past the cap.
+
+        Called by the scheduler just before the request's blocks are freed, with the length of
+        its clean prefix (KV computed over the full context, at its own slot). Returns the
+        number of blocks newly cached.
+        """
+        before = self.num_cached_block.get(request.request_id, 0)
+        if num_tokens // self.block_size <= before:
+            return 0
+        super().cache_blocks(request, num_tokens, replay_boundaries=())
+        return self.num_cached_block.get(request.request_id, 0) - before
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                    num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):

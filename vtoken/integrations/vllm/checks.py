@@ -1,15 +1,20 @@
 """Debug checks of the scheduler's block accounting (``VTOKEN_CHECK=1``) and the step trace.
 
 ``VTOKEN_CHECK=1`` (tests, soak): after every ``schedule()``, :func:`check_invariants` asserts
-that no block has two owners, that free + held blocks == the pool, that every block a
-request holds has ``ref_cnt == 1``, and that each scheduled request holds exactly the
-blocks the accounting says. ``VTOKEN_TRACE=<path>``: one JSON line per step
+that every held block's ``ref_cnt`` equals the number of requests holding it (1, or the
+sharers of a prefix-cache block, which the pool counts once), that free + distinct held
+blocks == the pool, that each scheduled request holds exactly the blocks the accounting
+says, and, with prefix caching, that a request that may evict holds only private, unhashed
+blocks past its protected prefix, keeps that prefix at its own slots, and that no repack
+move writes a shared or hashed block. ``VTOKEN_TRACE=<path>``: one JSON line per step
 (:func:`trace_record`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+import numpy as np
 
 from vtoken.integrations.vllm.accounting import BlockAccounting
 from vtoken.integrations.vllm.state import RequestState
@@ -18,8 +23,8 @@ __all__ = ["check_invariants", "trace_record"]
 
 
 def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapping[str, RequestState],
-                     accounting: BlockAccounting, scheduled: Mapping[str, int]) -> None:
-    """Check block accounting and ownership (O(total blocks)).
+                     accounting: BlockAccounting, scheduled: Mapping[str, int], moves=None) -> None:
+    """Check block accounting, ownership and sharing (O(total blocks + moves)).
 
     Args:
         req_to_blocks: the full-attention manager's request id -> list of ``KVCacheBlock``.
@@ -27,30 +32,59 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
         states: request id -> :class:`RequestState`.
         accounting: the scheduler's :class:`BlockAccounting`.
         scheduled: this step's ``num_scheduled_tokens``.
+        moves: this step's :class:`~vtoken.integrations.vllm.payload.StepPayload` (or None).
 
     Raises:
         AssertionError: naming the request or block and the broken invariant.
     """
-    owners: dict[int, str] = {}
-    held = 0
+    holders: dict[int, list[str]] = {}
+    by_id: dict[int, object] = {}
     for rid, blocks in req_to_blocks.items():
         for b in blocks:
-            assert b.block_id not in owners, f"block {b.block_id} owned by {owners[b.block_id]} and {rid}"
-            assert b.ref_cnt == 1, f"block {b.block_id} of {rid} has ref_cnt {b.ref_cnt}"
-            owners[b.block_id] = rid
-        held += len(blocks)
+            h = holders.setdefault(b.block_id, [])
+            assert rid not in h, f"block {b.block_id} appears twice in the block list of {rid}"
+            h.append(rid)
+            by_id[b.block_id] = b
+    for bid, h in holders.items():
+        b = by_id[bid]
+        assert b.ref_cnt == len(h), (
+            f"block {bid} has ref_cnt {b.ref_cnt} but is held by {len(h)} request(s) {sorted(h)[:4]}"
+        )
+        assert len(h) == 1 or b.block_hash is not None, (
+            f"block {bid} is shared by {sorted(h)[:4]} but has no block hash (only prefix-cache hits are shared)"
+        )
+    held = len(holders)  # a shared block is counted once by the pool
     free = block_pool.get_num_free_blocks()
     assert free + held == block_pool.num_gpu_blocks - 1, (
-        f"block leak: free {free} + held {held} != pool {block_pool.num_gpu_blocks} - 1 (null block)"
+        f"block leak: free {free} + held {held} (distinct) != pool {block_pool.num_gpu_blocks} - 1 (null block)"
     )
+    bs = accounting.block_size
     for rid, st in states.items():
         st.table.check_invariants()
+        P = st.protected
+        assert P % bs == 0 and P <= st.table.num_live, f"{rid}: protected prefix {P} (live {st.table.num_live})"
+        if P:
+            lp = st.table.logical_pos
+            assert (lp[:P] == np.arange(P)).all(), f"{rid}: a slot of the protected prefix [0, {P}) was written"
+        if rid in accounting.cache_cap:
+            for i, b in enumerate(req_to_blocks.get(rid, ())[P // bs:], start=P // bs):
+                assert b.ref_cnt == 1 and b.block_hash is None, (
+                    f"{rid}: block {b.block_id} (index {i}) past the protected prefix ({P} tokens) is "
+                    f"{'shared' if b.ref_cnt > 1 else 'hashed'}; it may be a repack target"
+                )
         if rid in scheduled:
             n = len(req_to_blocks.get(rid, ()))
             exp = accounting.target_blocks(st)
             assert n == exp, (
                 f"{rid}: holds {n} blocks, expected {exp} (mode={st.cfg.mode}, live={st.table.num_live}, "
                 f"logical={st.table.num_logical}, naive={st.naive.num_retained_blocks})"
+            )
+    if moves is not None and len(getattr(moves, "dst", ())):
+        for bid in np.unique(np.asarray(moves.dst) // bs).tolist():
+            b = by_id.get(bid) or block_pool.blocks[bid]
+            assert b.ref_cnt == 1 and b.block_hash is None, (
+                f"a repack move writes block {bid}, which is {'shared' if b.ref_cnt > 1 else 'hashed'} "
+                f"(ref_cnt {b.ref_cnt})"
             )
 
 

@@ -94,10 +94,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "for one prompt"),
 )
 
-OVERRIDES: tuple[Override, ...] = (
-    Override("--enable-prefix-caching", "turned off (--no-enable-prefix-caching), with one warning",
-             "repacking live tokens changes block contents, so block hashes would lie"),
-)
+#: Empty: vToken changes no vLLM setting. (Prefix caching used to be turned off; it now stays
+#: on, with shared and cached blocks kept out of every repack: docs/integration.md.)
+OVERRIDES: tuple[Override, ...] = ()
 
 _BY_KEY = {r.key: r for r in REFUSALS}
 
@@ -268,8 +267,11 @@ def readme_block() -> str:
     """The README's refusals block (markers included), generated from the two tables."""
     lines = [README_BEGIN, "", "| vToken refuses | when | why |", "|---|---|---|"]
     lines += [f"| {r.option} | {r.when} | {r.reason} |" for r in REFUSALS]
-    lines += ["", "| vToken changes | to | why |", "|---|---|---|"]
-    lines += [f"| {o.option} | {o.change} | {o.reason} |" for o in OVERRIDES]
+    if OVERRIDES:
+        lines += ["", "| vToken changes | to | why |", "|---|---|---|"]
+        lines += [f"| {o.option} | {o.change} | {o.reason} |" for o in OVERRIDES]
+    else:
+        lines += ["", "vToken changes no vLLM setting (prefix caching stays as you set it)."]
     lines += ["", README_END]
     return "\n".join(lines)
 

@@ -87,6 +87,8 @@ class VTokenSchedulerMixin:
         mgr._vt_accounting = self._vt_accounting
         self._vt_mgr = mgr
         self._vt_bs: int = mgr.block_size
+        #: vLLM prefix caching on (the user's choice; vToken keeps it): see _vt_prefix_rule
+        self._vt_caching: bool = bool(self.kv_cache_manager.enable_caching)
         self._vt_lag = SCORE_LAG_ASYNC if isinstance(self, AsyncScheduler) else SCORE_LAG_SYNC
         self._vt_req_cfg: dict[str, Optional[VTokenConfig]] = {}
         self._vt_offset_updates: dict[str, int] = {}
@@ -122,7 +124,34 @@ class VTokenSchedulerMixin:
             self.vt_stats.request_faults += 1
             cfg = None
         self._vt_req_cfg[request.request_id] = cfg
+        if self._vt_caching and cfg is not None and self._vt_may_evict(cfg, request):
+            # Blocks past this cap may become repack targets: vLLM must not hash them while the
+            # request runs (docs/integration.md, "Prefix caching").
+            self._vt_accounting.cache_cap[request.request_id] = self._vt_prompt_protected(cfg, request)
         super().add_request(request)
+
+    @staticmethod
+    def _vt_max_tokens(request) -> Optional[int]:
+        max_tokens = getattr(request, "max_tokens", None)
+        if max_tokens is None and request.sampling_params is not None:
+            max_tokens = request.sampling_params.max_tokens
+        return max_tokens
+
+    def _vt_may_evict(self, cfg: VTokenConfig, request) -> bool:
+        """False when prompt + max_tokens can never exceed budget + slack (the request never evicts)."""
+        max_tokens = self._vt_max_tokens(request)
+        if max_tokens is None:
+            return True
+        prompt_len = request.num_prompt_tokens
+        return prompt_len + max_tokens > effective_budget(cfg, prompt_len) + cfg.resolved_slack()
+
+    def _vt_prompt_protected(self, cfg: VTokenConfig, request) -> int:
+        """Prefix caching, a request that may evict: the prompt tokens protected whatever the cache
+        holds, a function of the request alone: its full prompt blocks under
+        ``protect_cached_prefix`` (vLLM caches exactly those), else none."""
+        if not cfg.protect_cached_prefix:
+            return 0
+        return request.num_prompt_tokens // self._vt_bs * self._vt_bs
 
     def _vt_policy(self, cfg: VTokenConfig, budget: int) -> EvictionPolicy:
         key = (cfg.policy, budget, cfg.sink_tokens, cfg.recent_tokens, cfg.seed, tuple(sorted(cfg.policy_args.items())))
@@ -132,7 +161,9 @@ class VTokenSchedulerMixin:
             self._vt_policy_cache[key] = pol
         return pol
 
-    def _vt_state(self, request) -> Optional[RequestState]:
+    def _vt_state(self, request, scheduled: int) -> Optional[RequestState]:
+        """The request's state; made when it is first scheduled (again after a preemption),
+        ``scheduled`` being the tokens scheduled for it in this step."""
         rid = request.request_id
         st = self._vt_states.get(rid)
         if st is not None:
@@ -148,11 +179,18 @@ class VTokenSchedulerMixin:
             table=TokenTable(self._vt_bs), naive=NaiveEvictCounter(self._vt_bs), prompt_len=prompt_len,
             lag=ScoreLagQueue(self._vt_lag), first_evict=first_evicting_decode_step(pol.needs, self._vt_lag),
         )
-        max_tokens = getattr(request, "max_tokens", None)
-        if max_tokens is None and request.sampling_params is not None:
-            max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            st.may_evict = prompt_len + max_tokens > budget + st.slack
+        st.may_evict = self._vt_may_evict(cfg, request)
+        # Prefix-cache hit: num_computed_tokens already counts this step's tokens. The hit
+        # tokens sit in the request's first blocks (slots == positions), computed by others.
+        hit = max(0, request.num_computed_tokens - scheduled)
+        if hit:
+            st.cached_tokens = hit
+            st.table.append(hit)
+            st.naive.append(hit)
+            st.pstate.reset_slots(0, hit)
+        if self._vt_caching and st.may_evict:
+            bs = self._vt_bs
+            st.protected = max(self._vt_prompt_protected(cfg, request), hit // bs * bs)
         self._vt_states[rid] = st
         return st
 
@@ -170,7 +208,7 @@ class VTokenSchedulerMixin:
         dsts: list[np.ndarray] = []
         t0 = time.perf_counter()
         for req in self.running:
-            st = self._vt_state(req)
+            st = self._vt_states.get(req.request_id)  # made when the request was first scheduled
             if st is None or not st.decoding or st.faulted:
                 continue
             rid = req.request_id
@@ -192,8 +230,8 @@ class VTokenSchedulerMixin:
 
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
-            st = self._vt_state(req) if req is not None else None
-            if st is None or n <= 0:
+            st = self._vt_state(req, n) if req is not None and n > 0 else None
+            if st is None:
                 continue
             self._vt_after_scheduled(req, st, n, payload)
         if self._vt_offset_updates:
@@ -251,7 +289,7 @@ class VTokenSchedulerMixin:
         """Fold the statistics due before request-step ``current_step``'s decision into the policy."""
         for e in st.lag.ready(current_step):
             table = st.table
-            view = TokenView(table.logical_pos, table.num_logical, st.prompt_len)
+            view = TokenView(table.logical_pos, table.num_logical, st.prompt_len, st.protected)
             stats = remap_stats(e.stats, e.logical_pos, table.logical_pos, table.num_logical)
             st.policy.observe(st.pstate, table.num_live, stats, view)
 
@@ -268,16 +306,20 @@ class VTokenSchedulerMixin:
             AssertionError: naming the request and the broken invariant.
         """
         check_invariants(self._vt_mgr.req_to_blocks, self.kv_cache_manager.block_pool, self._vt_states,
-                         self._vt_accounting, out.num_scheduled_tokens if out is not None else {})
+                         self._vt_accounting, out.num_scheduled_tokens if out is not None else {},
+                         moves=getattr(out, "vtoken", None))
 
     def _vt_evict(self, rid: str, st: RequestState, k: int, payload: StepPayload,
                   srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
         table = st.table
-        view = TokenView(logical_pos=table.logical_pos, num_logical=table.num_logical, prompt_len=st.prompt_len)
+        view = TokenView(logical_pos=table.logical_pos, num_logical=table.num_logical, prompt_len=st.prompt_len,
+                         protected_prefix=st.protected)
         victims = st.policy.select_victims(st.pstate, view, k)
         if len(victims) == 0:
             return
         positions = table.logical_pos[victims].copy()
+        first_dead = int(positions.min())
+        st.clean_len = min(table.num_logical if st.clean_len is None else st.clean_len, first_dead)
         blocks = self._vt_mgr.req_to_blocks[rid]
         plan = table.evict_slots(victims)
         st.naive.evict_positions(positions)
@@ -340,8 +382,10 @@ class VTokenSchedulerMixin:
 
     # ------------------------------------------------------------------ free / preempt
     def _free_request_blocks(self, request):
-        super()._free_request_blocks(request)
         rid = request.request_id
+        if self._vt_caching and rid in self._vt_accounting.cache_cap:
+            self._vt_cache_clean_prefix(request)
+        super()._free_request_blocks(request)
         st = self._vt_states.pop(rid, None)
         if st is not None:
             if st.table.offset:
@@ -352,6 +396,20 @@ class VTokenSchedulerMixin:
                 self.vt_stats.preemption_resets += 1
         if request.is_finished():
             self._vt_req_cfg.pop(rid, None)
+            self._vt_accounting.cache_cap.pop(rid, None)
+
+    def _vt_cache_clean_prefix(self, request) -> None:
+        """Before a capped request's blocks go back to the pool (finish or preemption): hash
+        its clean prefix's full blocks the stock way, so later requests (the next turn, a
+        re-prefill) can hit them. Clean: KV computed over the full context (before the first
+        eviction) and still at its own slot (below the first evicted position)."""
+        st = self._vt_states.get(request.request_id)
+        if st is None:
+            return
+        n = st.table.num_live if st.clean_len is None else st.clean_len
+        n = min(n, st.table.num_live, request.num_tokens,
+                len(request.block_hashes) * self.kv_cache_manager.block_pool.hash_block_size)
+        self.vt_stats.prefix_blocks_cached_at_finish += self._vt_mgr.vt_cache_clean_prefix(request, n)
 
     def _vt_record_finished(self, rid: str, st: RequestState) -> None:
         if len(self.vt_finished) >= 100_000:
@@ -370,6 +428,9 @@ class VTokenSchedulerMixin:
             evicting += st.table.offset > 0
         s.live_tokens, s.logical_tokens, s.retained_blocks = live, logical, retained
         s.naive_retained_blocks, s.dense_blocks, s.num_evicting_requests = naive, dense, evicting
+        if self._vt_caching:
+            s.shared_blocks = len({b.block_id for blocks in self._vt_mgr.req_to_blocks.values() for b in blocks
+                                   if b.ref_cnt > 1})
 
     # ------------------------------------------------------------------ introspection (tests, benchmarks)
     def vt_snapshot(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from vtoken.config import VTokenConfig
 from vtoken.policies.base import EvictionPolicy, SlotState
@@ -60,6 +60,17 @@ class RequestState:
     may_evict: bool = True
     #: set when a fault confined to this request turned its eviction off (it keeps running).
     faulted: bool = False
+    #: prefix caching: the first ``protected`` logical positions are never evicted (tokens,
+    #: a multiple of the block size): the blocks the request got from the prefix cache and,
+    #: with ``protect_cached_prefix``, its own full prompt blocks. Slots ``< protected`` hold
+    #: their own position for ever, so those blocks are never written by a repack.
+    protected: int = 0
+    #: prefix-cache hit when this state was made (tokens whose KV came from cached blocks).
+    cached_tokens: int = 0
+    #: tokens at the start whose KV was computed over the full context and still sits at its
+    #: own slot (None: nothing evicted yet, so all). Only these may be cached for later
+    #: requests: a token computed after an eviction attended over a cut context.
+    clean_len: Optional[int] = None
     generation: int = field(default_factory=lambda: next(_generation))
     # lifetime accounting (for retained-blocks figures); ``steps`` is also the request-step index
     steps: int = 0
@@ -81,6 +92,7 @@ class RequestState:
             naive_avg_blocks=self.naive_block_steps / n, naive_peak_blocks=self.naive_peak_blocks,
             full_avg_blocks=self.full_block_steps / n, full_peak_blocks=self.full_peak_blocks,
             evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
+            protected=self.protected, cached_tokens=self.cached_tokens,
         )
 
 
@@ -95,6 +107,9 @@ class VTokenStats:
     repack_seconds: float = 0.0
     preemption_resets: int = 0
     request_faults: int = 0
+    #: prefix caching: blocks of finished requests added to the prefix cache by vToken
+    #: (blocks that stayed clean but were kept out of the cache while the request could evict)
+    prefix_blocks_cached_at_finish: int = 0
     #: blocks freed by an eviction and handed to a request in the same schedule() (counted
     #: only with VTOKEN_CHECK=1; shows the tests exercise the block-reuse ordering)
     freed_blocks_reused_same_step: int = 0
@@ -104,6 +119,8 @@ class VTokenStats:
     naive_retained_blocks: int = 0
     dense_blocks: int = 0
     num_evicting_requests: int = 0
+    #: blocks held by more than one request (prefix caching), counted once
+    shared_blocks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
