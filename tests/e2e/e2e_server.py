@@ -124,6 +124,10 @@ def server_argv(model: str, port: int, additional_config: Optional[dict]) -> lis
         "--gpu-memory-utilization", "0.2", "--num-gpu-blocks-override", str(NUM_BLOCKS),
         "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
         "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
+        # vLLM's default is on, and vToken keeps it (issue 12); these tests compare eviction with
+        # the dense oracle without a protected prefix (tests/integration/test_prefix_caching.py
+        # covers prefix caching).
+        "--no-enable-prefix-caching",
     ]
     if additional_config is not None:
         argv += ["--additional-config", json.dumps(additional_config)]

@@ -180,7 +180,10 @@ def test_hit_only_protects_the_hit_and_evicts_own_prompt_blocks(tiny, hit_only_r
     # A evicted inside its own prompt blocks (positions 128..167), so its blocks were not
     # cached past the first evicted position
     assert hits["A"] == 128 and hits["B"] == 128
-    _check_against_oracle(tiny, out, SEQUENCE, dict(VT, protect_cached_prefix=False))
+    vt = dict(VT, protect_cached_prefix=False)
+    _check_against_oracle(tiny, out, SEQUENCE, vt)
+    _, evicted = _oracle_tokens(tiny, A, None, vt, 128)
+    assert any(((e >= 128) & (e < len(A))).any() for e in evicted)
     assert out["free_after_phase"] == [out["free_start"]] * len(out["free_after_phase"])
 
 

@@ -12,8 +12,8 @@ with the plugin, then checks in the same (front-end) process:
 * item 5: KV-cache dtypes outside the allowlist (``fp8_e5m2``, ``turboquant_k8v4``) are refused
   naming ``--kv-cache-dtype`` and the allowed values; ``bfloat16`` and fp16 models are accepted;
 * item 6: a streaming-input (resumable) request is refused by name;
-* item 10: start-up logs exactly one vToken warning, naming prefix caching and why; none when
-  the user already turned it off.
+* item 10: vToken changes no vLLM setting (prefix caching stays as the user set it, issue 12), so
+  start-up logs no vToken warning, with prefix caching on or off.
 
 Part 2, one OpenAI server (``tests/e2e/e2e_server.run_server``) started with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` inherited (the API server still runs its EngineCore in
@@ -24,7 +24,7 @@ its own process) and engine config ``{"policy": "h2o", "budget": 64, "sink_token
 * item 2: ``vllm_xargs: {"vtoken_budget": true}`` is HTTP 400 with the start-up message shape,
   ``"vtoken_enable": false`` (a JSON boolean too) is served;
 * item 9: ``/metrics`` shows the EngineCore's ``vtoken:`` metrics, and they moved;
-* item 10: the server log holds exactly the one prefix-caching warning of vToken.
+* item 10: the server log holds no vToken warning.
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.engine
 
 ENGINE_VT = {"policy": "h2o", "budget": 64, "sink_tokens": 4}
-PREFIX_WARNING = ("vToken: prefix caching turned off (--no-enable-prefix-caching): repacking live tokens "
-                  "changes block contents, so block hashes would lie")
 
 
 def _start_up_msg(vt: dict) -> str:
@@ -178,12 +176,12 @@ def test_inert_engine_checks_nothing(probe):
 
 
 def test_start_up_warns_once_per_override(probe):
-    assert probe["base"]["warnings"] == [PREFIX_WARNING]
-    assert "enable_prefix_caching" in probe["base"]["changed_fields"]
+    # vToken changes no setting: prefix caching stays on (base) or off (prefix_off) as set
+    assert probe["base"]["warnings"] == []
+    assert "enable_prefix_caching" not in probe["base"]["changed_fields"]
     assert probe["prefix_off"] == {"ok": True, "warnings": [], "then": []}
-    # the README's "vToken changes" table lists exactly what is warned about
-    assert len(OVERRIDES) == 1 and "--no-enable-prefix-caching" in PREFIX_WARNING
-    assert OVERRIDES[0].reason in PREFIX_WARNING
+    # the README's "vToken changes" list is generated from OVERRIDES, which is empty
+    assert OVERRIDES == ()
 
 
 def test_every_setting_vtoken_changes_is_warned_by_name(probe):
@@ -289,4 +287,4 @@ def test_server_metrics_with_multiprocessing_variable_off(server):
 def test_server_log_has_exactly_the_override_warnings(server):
     lines = [ln for ln in server.log().splitlines() if " WARNING " in ln and "vToken" in ln]
     msgs = [re.sub(r"^.*? WARNING .*?\] ", "", ln) for ln in lines]
-    assert msgs == [PREFIX_WARNING], lines
+    assert msgs == [], lines
