@@ -1,0 +1,194 @@
+"""Prefix caching with vToken on the OpenAI server: multi-turn ShareGPT chats (issue 12).
+
+Method:
+
+* One OpenAI server per arm (SmolLM2-135M, bf16, 127.0.0.1, ``--enable-prefix-caching``
+  explicit, a fixed pool of ``--num-gpu-blocks-override`` blocks of 32 tokens), started one at
+  a time. Arms: ``stock`` (no ``vtoken`` key), ``vtoken`` (H2O, ``protect_cached_prefix``
+  default true) and ``vtoken_hit_only`` (``protect_cached_prefix: false``), same budget.
+* Workload: ``--conversations`` ShareGPT conversations with at least ``--turns`` user turns,
+  each user turn cut to ``--turn-chars`` characters, all starting with the same system prompt
+  (a shared prefix across conversations). The conversations run concurrently (one thread
+  each); each turn is a ``/v1/chat/completions`` request whose messages are the whole history
+  (previous user turns and the server's own replies), ``max_tokens`` fixed with
+  ``ignore_eos`` and greedy sampling, so every arm does the same number of steps.
+* Prefix-cache hit rate: the deltas of ``vllm:prefix_cache_hits_total`` /
+  ``vllm:prefix_cache_queries_total`` over the run (vLLM's own counters). Retained blocks:
+  ``vllm:kv_cache_usage_perc`` x (pool - 1) polled every 0.2 s (blocks held by running
+  requests; cached free blocks count as free), mean and peak; for the vToken arms also
+  ``vtoken:retained_blocks`` (sum over requests' block lists; a shared block counts per
+  sharer).
+
+Writes ``benchmarks/results/prefix_cache_sharegpt.json``.
+
+Usage::
+
+    python benchmarks/bench_prefix_cache.py                 # 4 conversations x 4 turns
+    python benchmarks/bench_prefix_cache.py --conversations 8 --turns 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_sla import scrape  # noqa: E402
+from common import run_metadata, write_json  # noqa: E402
+
+SYSTEM = ("You are a helpful, precise assistant for a software company. Answer in plain English, keep "
+          "answers short, cite the user's own words when you disagree, never invent facts, and say so "
+          "when you do not know. Use lists for steps, code blocks for code, and no more than three "
+          "paragraphs. Be polite, be direct, and do not repeat the question back to the user.")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (loopback only)
+        return json.loads(r.read())
+
+
+def conversations(n: int, turns: int, turn_chars: int) -> list[list[str]]:
+    """``n`` ShareGPT conversations' first ``turns`` user turns (each cut to ``turn_chars``)."""
+    from vtoken.assets.paths import ensure_sharegpt, sharegpt_path
+
+    ensure_sharegpt()
+    out = []
+    for conv in json.load(open(sharegpt_path())):
+        users = [t["value"][:turn_chars] for t in conv.get("conversations", [])
+                 if t.get("from") in ("human", "user") and t.get("value", "").strip()]
+        if len(users) >= turns:
+            out.append(users[:turns])
+            if len(out) == n:
+                break
+    return out
+
+
+def run_arm(name: str, vt, args, convs) -> dict:
+    from vtoken.assets.paths import smollm2_dir
+
+    port = _port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_dir()),
+            "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+            "--num-gpu-blocks-override", str(args.blocks), "--block-size", "32", "--max-model-len", "4096",
+            "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", "16"]
+    if vt is not None:
+        argv += ["--additional-config", json.dumps({"vtoken": vt})]
+    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 2))
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    log = open(ROOT / "benchmarks" / "results" / f".prefix_cache_{name}.log", "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: server exited with {proc.returncode}")
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:  # noqa: S310
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() - t0 > 600:
+                raise RuntimeError(f"{name}: server not healthy after 600 s")
+            time.sleep(1.0)
+        m0 = scrape(port)
+        samples: dict[str, list[float]] = {"blocks": [], "vtoken_retained": []}
+        halt = threading.Event()
+
+        def poll():
+            while not halt.is_set():
+                try:
+                    s = scrape(port)
+                    samples["blocks"].append(s.get("vllm:kv_cache_usage_perc", 0.0) * (args.blocks - 1))
+                    if "vtoken:retained_blocks" in s:
+                        samples["vtoken_retained"].append(s["vtoken:retained_blocks"])
+                except Exception:  # noqa: BLE001
+                    pass
+                halt.wait(0.2)
+
+        def chat(turns: list[str], out: list):
+            msgs = [{"role": "system", "content": SYSTEM}]
+            for u in turns:
+                msgs.append({"role": "user", "content": u})
+                r = _post(port, {"model": "smollm2", "messages": msgs, "max_tokens": args.max_tokens,
+                                 "temperature": 0, "ignore_eos": True})
+                msgs.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+                out.append(r["usage"]["prompt_tokens"])
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        t1 = time.monotonic()
+        prompt_tokens: list[int] = []
+        threads = [threading.Thread(target=chat, args=(c, prompt_tokens)) for c in convs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.monotonic() - t1
+        halt.set()
+        poller.join(timeout=5)
+        m1 = scrape(port)
+        d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+        hits, queries = d.get("vllm:prefix_cache_hits_total", 0.0), d.get("vllm:prefix_cache_queries_total", 0.0)
+        res = dict(arm=name, vtoken=vt, requests=len(prompt_tokens), prompt_tokens=sum(prompt_tokens),
+                   prefix_cache_hits=hits, prefix_cache_queries=queries,
+                   prefix_cache_hit_rate=hits / queries if queries else None, wall_s=wall,
+                   blocks_mean=sum(samples["blocks"]) / max(len(samples["blocks"]), 1),
+                   blocks_peak=max(samples["blocks"], default=0.0),
+                   evicted_tokens=d.get("vtoken:evicted_tokens_total"), freed_blocks=d.get("vtoken:freed_blocks_total"))
+        if samples["vtoken_retained"]:
+            res["vtoken_retained_blocks_mean"] = sum(samples["vtoken_retained"]) / len(samples["vtoken_retained"])
+            res["vtoken_retained_blocks_peak"] = max(samples["vtoken_retained"])
+        print(json.dumps(res))
+        return res
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-chars", type=int, default=400)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--blocks", type=int, default=512)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_cache_sharegpt.json"))
+    args = ap.parse_args(argv)
+    convs = conversations(args.conversations, args.turns, args.turn_chars)
+    vt = {"policy": "h2o", "budget": args.budget}
+    arms = [("stock", None), ("vtoken", vt), ("vtoken_hit_only", dict(vt, protect_cached_prefix=False))]
+    results = [run_arm(name, cfg, args, convs) for name, cfg in arms]
+    write_json(Path(args.out), dict(meta=run_metadata(), args=vars(args), system_prompt_chars=len(SYSTEM),
+                                    arms=results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
