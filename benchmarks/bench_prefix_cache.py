@@ -90,7 +90,7 @@ def run_arm(name: str, vt, args, convs) -> dict:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_dir()),
             "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
             "--num-gpu-blocks-override", str(args.blocks), "--block-size", "32", "--max-model-len", "4096",
-            "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", "16"]
+            "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.1"]
     if vt is not None:
         argv += ["--additional-config", json.dumps({"vtoken": vt})]
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 2))
