@@ -23,7 +23,8 @@ __all__ = ["check_invariants", "trace_record"]
 
 
 def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapping[str, RequestState],
-                     accounting: BlockAccounting, scheduled: Mapping[str, int], moves=None) -> None:
+                     accounting: BlockAccounting, scheduled: Mapping[str, int], moves=None,
+                     move_owners: Mapping[int, tuple] = {}) -> None:
     """Check block accounting, ownership and sharing (O(total blocks + moves)).
 
     Args:
@@ -33,6 +34,7 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
         accounting: the scheduler's :class:`BlockAccounting`.
         scheduled: this step's ``num_scheduled_tokens``.
         moves: this step's :class:`~vtoken.integrations.vllm.payload.StepPayload` (or None).
+        move_owners: block id -> (request, block index, protected, clean_len) of the moves (messages).
 
     Raises:
         AssertionError: naming the request or block and the broken invariant.
@@ -84,7 +86,9 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
             b = by_id.get(bid) or block_pool.blocks[bid]
             assert b.ref_cnt == 1 and b.block_hash is None, (
                 f"a repack move writes block {bid}, which is {'shared' if b.ref_cnt > 1 else 'hashed'} "
-                f"(ref_cnt {b.ref_cnt})"
+                f"(ref_cnt {b.ref_cnt}); moved into by (request, block index, protected, clean_len) "
+                f"{move_owners.get(bid)}, request still tracked: "
+                f"{move_owners.get(bid, (None,))[0] in states}, hash covers {b.block_hash_num_tokens} tokens"
             )
 
 

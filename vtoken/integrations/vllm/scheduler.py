@@ -102,6 +102,8 @@ class VTokenSchedulerMixin:
         self._vt_trace = open(trace, "a", buffering=1) if trace else None
         self._vt_step_no = 0
         self._vt_freed_this_step: list[int] = []
+        #: VTOKEN_CHECK: block id -> (request, block index, protected, clean_len) of this step's moves
+        self._vt_move_owners: dict[int, tuple] = {}
         #: finished requests' lifetime figures (bounded; read by the harness and benchmarks)
         self.vt_finished: list[dict[str, Any]] = []
 
@@ -248,6 +250,7 @@ class VTokenSchedulerMixin:
                 self.vt_stats.freed_blocks_reused_same_step += sum(
                     b.block_id in freed for blocks in self._vt_mgr.req_to_blocks.values() for b in blocks)
         self._vt_freed_this_step = []
+        self._vt_move_owners = {}
         if self._vt_trace is not None:
             rec = trace_record(self._vt_step_no - 1, self.kv_cache_manager.block_pool.get_num_free_blocks(),
                                payload.num_moves, out.num_scheduled_tokens, self._vt_mgr.req_to_blocks,
@@ -307,7 +310,7 @@ class VTokenSchedulerMixin:
         """
         check_invariants(self._vt_mgr.req_to_blocks, self.kv_cache_manager.block_pool, self._vt_states,
                          self._vt_accounting, out.num_scheduled_tokens if out is not None else {},
-                         moves=getattr(out, "vtoken", None))
+                         moves=getattr(out, "vtoken", None), move_owners=self._vt_move_owners)
 
     def _vt_evict(self, rid: str, st: RequestState, k: int, payload: StepPayload,
                   srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
@@ -329,6 +332,9 @@ class VTokenSchedulerMixin:
             ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
             srcs.append(ids[plan.src // bs] * bs + plan.src % bs)
             dsts.append(ids[plan.dst // bs] * bs + plan.dst % bs)
+            if self._vt_check:
+                for i in np.unique(plan.dst // bs).tolist():
+                    self._vt_move_owners[int(ids[i])] = (rid, int(i), st.protected, st.clean_len)
         keep = min(len(blocks), self._vt_accounting.target_blocks(st, upcoming=1))
         freed = len(blocks) - keep
         if freed > 0:
