@@ -128,12 +128,12 @@ def load_long_conversations(n: int, min_tokens: int, *, seed: int = 0, tokenizer
     """
     from transformers import AutoTokenizer
 
-    from vtoken.assets.paths import ensure_sharegpt, sharegpt_long_path, smollm2_dir
+    from vtoken.assets.paths import ensure_sharegpt_long, smollm2_dir
 
-    ensure_sharegpt()
+    long_path = ensure_sharegpt_long()
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or str(smollm2_dir()))
     rows = []
-    with open(sharegpt_long_path()) as f:
+    with open(long_path) as f:
         for line in f:
             r = json.loads(line)
             if r.get("num_tokens", 0) >= min_tokens:

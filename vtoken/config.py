@@ -45,9 +45,18 @@ def _format_validation_error(prefix: str, err: ValidationError) -> str:
         val = e.get("input")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = _unknown_key_msg(str(e["loc"][-1]) if e["loc"] else "")
         lines.append(f"{prefix}.{loc} = {val!r}: {msg}")
     return "; ".join(lines)
+
+
+#: options that existed once and were removed: key -> why (a config naming one gets this in its error)
+_REMOVED_KEYS = {"log_stats": "it never did anything; vToken's counters are on /metrics"}
+
+
+def _unknown_key_msg(key: str) -> str:
+    what = f"removed option ({_REMOVED_KEYS[key]})" if key in _REMOVED_KEYS else "unknown key"
+    return f"{what}; allowed: {sorted(VTokenConfig.model_fields)}"
 
 
 def _known_policies() -> list[str]:
@@ -89,8 +98,9 @@ class VTokenConfig(BaseModel):
     recent_tokens: Optional[int] = Field(None, ge=0, description="most recent tokens kept")
     seed: int = Field(0, description="seed of the random policy")
     policy_args: dict[str, Any] = Field(default_factory=dict, description="policy-specific parameters")
-    score_every: int = Field(1, ge=1, description="compute attention scores every k decode steps")
-    log_stats: bool = Field(True, description="log a one-line vToken summary with vLLM's stats")
+    score_every: int = Field(
+        1, ge=1, description="score attention on every prefill chunk and every k-th decode step (1: every step)"
+    )
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
                      mode="before")
