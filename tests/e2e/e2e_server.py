@@ -116,10 +116,18 @@ class Server:
         return prompt_ids, out
 
 
-def server_argv(model: str, port: int, additional_config: Optional[dict]) -> list[str]:
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--served-model-name", MODEL_NAME,
+def vllm_cli() -> Path:
+    """The ``vllm`` console script of this interpreter's environment (vToken's ``vtoken.cli:vllm_main``)."""
+    return Path(sys.executable).parent / "vllm"
+
+
+def server_argv(model: str, port: int, additional_config: Optional[dict], *, cli: bool = False) -> list[str]:
+    """The server's command line: ``python -m vllm.entrypoints.openai.api_server --model M ...``,
+    or with ``cli`` the user's command ``<venv>/bin/vllm serve M ...``."""
+    head = ([str(vllm_cli()), "serve", model] if cli
+            else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model])
+    argv = head + [
+        "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--gpu-memory-utilization", "0.2", "--num-gpu-blocks-override", str(NUM_BLOCKS),
         "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
@@ -131,13 +139,17 @@ def server_argv(model: str, port: int, additional_config: Optional[dict]) -> lis
 
 
 @contextmanager
-def run_server(model: str, log_path: Path, additional_config: Optional[dict] = None) -> Iterator[Server]:
-    """Start the OpenAI server, wait for ``/health``; kill its process group on exit."""
+def run_server(model: str, log_path: Path, additional_config: Optional[dict] = None, *,
+               cli: bool = False) -> Iterator[Server]:
+    """Start the OpenAI server, wait for ``/health``; kill its process group on exit.
+
+    ``cli``: start it as ``<venv>/bin/vllm serve`` (see :func:`server_argv`).
+    """
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="2", VLLM_LOGGING_LEVEL="INFO")
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     logf = open(log_path, "wb")
-    proc = subprocess.Popen(server_argv(model, port, additional_config), stdout=logf, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(server_argv(model, port, additional_config, cli=cli), stdout=logf, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     srv = Server(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
     try:
@@ -177,3 +189,27 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def expected_counters(res, bs: int = BLOCK_SIZE) -> dict[str, int]:
+    """Counter increments one request must cause, replayed from an oracle result.
+
+    Blocks: the prefill allocates ceil(P/B); before decode step i the scheduler evicts
+    ``k_i`` tokens and keeps ceil(live/B) blocks (the rest are freed), then the step's
+    token may need one more block.
+    """
+    held = _cdiv(res.prompt_len, bs)
+    freed = 0
+    for i in range(1, len(res.token_ids)):
+        k = len(res.evicted_positions[i])
+        if k:
+            keep = _cdiv(res.num_live[i - 1] - k, bs)
+            freed += held - keep
+            held = keep
+        held = max(held, _cdiv(res.num_live[i], bs))
+    return dict(evicted_tokens=res.num_evicted, evictions=sum(1 for e in res.evicted_positions if len(e)),
+                freed_blocks=freed)
