@@ -88,16 +88,24 @@ class VTokenConfig(BaseModel):
         description="vtoken: repack and free emptied blocks; naive: Naive-Evict baseline "
         "(same decisions; a block is freed only when every token ever placed in it is dead).",
     )
-    policy: str = Field("h2o", description="eviction policy name (entry point group vtoken.policies)")
-    budget: int = Field(256, ge=1, description="KV budget per request, in tokens")
+    policy: str = Field("h2o", description="eviction policy: a name registered under the vtoken.policies entry point")
+    budget: int = Field(256, ge=1, description="KV budget per request, in tokens (live tokens kept after an eviction)")
     budget_ratio: Optional[float] = Field(
-        None, gt=0.0, le=1.0, description="budget as a fraction of the prompt length (overrides budget)"
+        None, gt=0.0, le=1.0,
+        description="budget as a fraction of the prompt length, ceil(ratio * prompt tokens) (overrides budget)",
     )
-    slack: Optional[int] = Field(None, ge=0, description="tokens over budget tolerated before evicting; None = policy default")
-    sink_tokens: Optional[int] = Field(None, ge=0, description="attention sinks kept (first logical positions)")
-    recent_tokens: Optional[int] = Field(None, ge=0, description="most recent tokens kept")
+    slack: Optional[int] = Field(
+        None, ge=0, description="tokens over budget tolerated before evicting (0: evict every step once full); "
+        "null: the policy's default")
+    sink_tokens: Optional[int] = Field(
+        None, ge=0, description="first logical positions never evicted (attention sinks), in tokens; "
+        "null: the policy's default; sink_tokens + recent_tokens <= budget")
+    recent_tokens: Optional[int] = Field(
+        None, ge=0, description="most recent tokens never evicted, in tokens; null: the policy's default")
     seed: int = Field(0, description="seed of the random policy")
-    policy_args: dict[str, Any] = Field(default_factory=dict, description="policy-specific parameters")
+    policy_args: dict[str, Any] = Field(
+        default_factory=dict, description="policy-specific parameters, e.g. {\"window\": 64} for scissorhands; "
+        "unknown names are refused")
     score_every: int = Field(
         1, ge=1, description="score attention on every prefill chunk and every k-th decode step (1: every step)"
     )

@@ -12,7 +12,10 @@ The maps are **probed**, not hard-coded: once per (dtype, isa, block_size, head_
 we write known values through the upstream packing op
 (``vllm._custom_ops.cpu_attn_reshape_and_cache``, patches/ entry
 ``vllm._custom_ops.cpu_attn_reshape_and_cache``) into a scratch block and read back
-where each (offset, dim) landed. A self-check at start-up round-trips random tokens.
+where each (offset, dim) landed. There is no separate self-check at start-up: the probe
+itself reads the positions back through the real packing op, and
+``tests/integration/test_kv_layout.py`` checks moves and key reads bit-exact against random
+tokens written by the upstream op, for every dtype/ISA pair the machine supports.
 
 Example (block size 4, one head, ``vec`` K layout, head_size 2)::
 
