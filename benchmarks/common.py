@@ -83,7 +83,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def parse_size_args(argv, description: str, name: str):
-    """The ``--small | --full`` (default full) and ``--out`` options shared by the benchmarks.
+    """The ``--small | --full`` (default full), ``--out`` and ``--replot`` options shared by the benchmarks.
 
     Returns ``(args, out_path)``; ``out_path`` defaults to ``results/<name>_<size>.json``.
     """
@@ -95,6 +95,8 @@ def parse_size_args(argv, description: str, name: str):
     g.add_argument("--full", action="store_const", dest="size", const="full")
     ap.set_defaults(size="full")
     ap.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}_<size>.json)")
+    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                    help="only redraw the plots of an existing result file (no engine runs)")
     args = ap.parse_args(argv)
     return args, args.out or RESULTS / f"{name}_{args.size}.json"
 
