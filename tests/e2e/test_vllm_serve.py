@@ -12,12 +12,16 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 import os
+import re
+import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from e2e_server import MODEL_NAME, expected_counters, run_server, vllm_cli
 from vtoken.config import parse_config
+from vtoken.integrations.vllm import launcher
 from vtoken.integrations.vllm.metrics import COUNTERS, GAUGES
 from vtoken.oracle import oracle_generate
 
@@ -93,3 +97,50 @@ def test_vllm_serve_chat_with_vtoken(tiny_model, sharegpt_prompts, oracle_model,
     for name in COUNTERS:
         assert f"# TYPE {name}_total counter" in text
         assert f'{name}_total{{engine="0",model_name="{MODEL_NAME}"}}' in text
+
+
+# ----------------------------------------------------------------------------- the README demo
+def _makefile_var(name: str) -> str:
+    text = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    m = re.search(rf"^{name}\s*\?=\s*(.+)$", text, re.M)
+    assert m, name
+    return m.group(1).strip()
+
+
+@pytest.mark.engine
+@pytest.mark.smollm2
+def test_readme_demo_frees_blocks(tmp_path_factory):
+    """``make serve``'s command (Makefile SERVE_ARGS / VTOKEN_CONFIG, as ``vllm serve``) and the
+    README's demo request: a 1,037-token ShareGPT turn, budget 192. The counters follow from
+    the prompt length P and the answer's length C alone (slack 0, so every decode step evicts
+    down to the budget and the decoding token keeps one more slot): evicted = (P + C - 1) - 193,
+    one eviction per decode step (C - 1), and the first one frees ceil(P/32) - ceil(193/32)
+    blocks. The README shows the same numbers."""
+    from vtoken.assets.paths import ensure_sharegpt, ensure_smollm2
+
+    vt = json.loads(_makefile_var("VTOKEN_CONFIG"))
+    budget = vt["vtoken"]["budget"]
+    args = shlex.split(_makefile_var("SERVE_ARGS"))
+    conv = next(c for c in json.loads(Path(ensure_sharegpt()).read_text()) if c["id"] == "nsrVEnT_0")
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": conv["conversations"][0]["value"]}],
+            "max_tokens": 128, "temperature": 0}
+    with launcher.run_server(str(ensure_smollm2()), tmp_path_factory.mktemp("demo") / "server.log", args, vt,
+                             served_model_name="smollm2", cli=True) as srv:
+        r = srv.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        m = srv.metrics()
+    P, C = usage["prompt_tokens"], usage["completion_tokens"]
+    assert P == 1037 and C > 1
+    bs = int(args[args.index("--block-size") + 1])
+    assert m["vtoken:evicted_tokens_total"] == (P + C - 1) - (budget + 1)
+    assert m["vtoken:evictions_total"] == C - 1
+    assert m["vtoken:freed_blocks_total"] == -(-P // bs) - -(-(budget + 1) // bs) == 26
+    assert m["vtoken:preemption_resets_total"] == 0
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert '"prompt_tokens": 1037' in readme
+    got = {k: float(v) for k, v in re.findall(r'^(vtoken:\w+)\{engine="0",model_name="smollm2"\} (\S+)$', readme, re.M)}
+    rc = int(re.search(r'"completion_tokens": (\d+)', readme).group(1))
+    assert got["vtoken:evicted_tokens_total"] == (P + rc - 1) - (budget + 1)
+    assert got["vtoken:evictions_total"] == rc - 1
+    assert got["vtoken:freed_blocks_total"] == m["vtoken:freed_blocks_total"]
