@@ -53,7 +53,8 @@ def _vtoken_raw(additional_config):
 
 
 def _refuse(option: str, value, why: str) -> None:
-    raise VTokenConfigError(f"vToken does not support {option} = {value!r} yet: {why}")
+    # the one error format (vtoken.config): "<where> = <value>: <problem>"
+    raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({why})")
 
 
 def _wrap_create_engine_config() -> None:
@@ -144,11 +145,11 @@ def _check_model(vcfg) -> None:
     layer_types = getattr(hf, "layer_types", None) or []
     if sw or any(t != "full_attention" for t in layer_types):
         raise VTokenConfigError(
-            f"vToken does not support model {mc.model!r} yet: it has sliding-window or hybrid layers "
-            f"(sliding_window={sw!r}, layer_types={sorted(set(layer_types)) or None})"
+            f"--model = {mc.model!r}: vToken does not support it yet (sliding-window or hybrid layers: "
+            f"sliding_window={sw!r}, layer_types={sorted(set(layer_types)) or None})"
         )
     if getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False):
-        raise VTokenConfigError(f"vToken does not support model {mc.model!r} yet: hybrid/Mamba layers")
+        raise VTokenConfigError(f"--model = {mc.model!r}: vToken does not support it yet (hybrid/Mamba layers)")
 
 
 def _wrap_sampling_params_verify() -> None:
