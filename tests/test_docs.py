@@ -247,3 +247,14 @@ def test_readme_quality_figures_match_result():
     alo, ahi = min(r["agree_full"] for r in att), max(r["agree_full"] for r in att)
     assert f"{alo * 100:.0f}-{ahi * 100:.0f} % next-token agreement" in sec
     assert f"+{min(r['delta_nll'] for r in rnd):.1f} to +{max(r['delta_nll'] for r in rnd):.1f} nats" in sec
+
+
+def test_readme_first_start_matches_result():
+    d = _load("first_start.json")
+    t, a = d["seconds_from_make_serve"], d["asset_steps_s"]
+    sec = _section(_readme(), "**First start**", flat=True)
+    assert f"answered `/health` after {t['health_ok']:.0f} s" in sec
+    assert f"installing `.venv/` {t['venv_installed']:.1f} s" in sec
+    assert f"SmolLM2 {a['smollm2']:.1f} s" in sec and f"ShareGPT JSON {a['sharegpt']:.1f} s" in sec
+    assert f"(about {5 * round((t['health_ok'] - t['assets_built']) / 5):.0f} s)" in sec
+    assert d["demo_usage"]["prompt_tokens"] == 1037
