@@ -258,3 +258,70 @@ def test_readme_first_start_matches_result():
     assert f"SmolLM2 {a['smollm2']:.1f} s" in sec and f"ShareGPT JSON {a['sharegpt']:.1f} s" in sec
     assert f"(about {5 * round((t['health_ok'] - t['assets_built']) / 5):.0f} s)" in sec
     assert d["demo_usage"]["prompt_tokens"] == 1037
+
+
+# ----------------------------------------------------------------------------- benchmarks/README.md tables
+def _bench_readme_rows(first_cell: str) -> list[list[str]]:
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("| "):
+            cells = [c.strip().strip("*").replace(" %", "").rstrip("x") for c in line.strip("|").split("|")]
+            if re.fullmatch(first_cell, cells[0]):
+                rows.append(cells)
+    return rows
+
+
+def test_benchmarks_readme_retained_table_matches_result():
+    s = {(r["policy"], r["budget"], r["block_size"]): r for r in _load("retained_blocks_full.json")["summary"]
+         if r["model"] == "smollm2"}
+    rows = _bench_readme_rows("h2o|random|scissorhands|tova|streaming")
+    rows = [r for r in rows if len(r) == 10]
+    assert len(rows) == 15
+    for pol, b, *cells in rows:
+        a, c = s[(pol, int(b), 32)], s[(pol, int(b), 64)]
+        want = [f"{a['full_avg']:.1f}", f"{a['naive_avg']:.1f}", f"{a['vtoken_avg']:.1f}", f"{a['ideal_avg']:.1f}",
+                f"{100 * a['reduction_avg']:.1f}", f"{c['naive_avg']:.1f}", f"{c['vtoken_avg']:.1f}",
+                f"{100 * c['reduction_avg']:.1f}"]
+        assert cells == want, (pol, b)
+
+
+def test_benchmarks_readme_concurrency_tables_match_results():
+    for name, first, n_rows in (("concurrency_small.json", r"stock vLLM|Naive-Evict, .*|vToken, .*", 7),
+                                ("concurrency_full.json", r"h2o|random|scissorhands", 6)):
+        res = {(r["mode"], r["policy"], r["budget"]): r for r in _load(name)["results"]}
+        stock = res[("stock", None, None)]["max_feasible_n"]
+        rows = [r for r in _bench_readme_rows(first) if r[1].isdigit()]
+        if name == "concurrency_small.json":
+            rows = [r for r in rows if len(r) == 5]
+            assert len(rows) == n_rows
+            for arm, n, first_bad, *_ in rows:
+                if arm == "stock vLLM":
+                    key = ("stock", None, None)
+                else:
+                    mode, pb = arm.split(", ")
+                    pol, b = pb.rsplit(" ", 1)
+                    key = ("naive" if mode == "Naive-Evict" else "vtoken", pol.lower(), int(b))
+                assert (int(n), int(first_bad)) == (res[key]["max_feasible_n"], res[key]["first_infeasible_n"]), arm
+        else:
+            rows = [r for r in rows if len(r) == 7 and r[2].isdigit()]
+            assert len(rows) == n_rows
+            for pol, b, st, nv, vt, ratio, vs_stock in rows:
+                key = (pol, int(b))
+                assert int(st) == stock
+                assert int(nv) == res[("naive", *key)]["max_feasible_n"]
+                assert int(vt) == res[("vtoken", *key)]["max_feasible_n"]
+                assert ratio == f"{int(vt) / int(nv):.2f}" and vs_stock == f"{int(vt) / stock:.2f}"
+
+
+def test_benchmarks_readme_quality_table_matches_result():
+    d = _load("quality_small.json")
+    o = {(r["policy"], r["budget"]): r for r in d["oracle"]["summary"]}
+    e = {(r["policy"], r["budget"]): r for r in d["engine"]["summary"]}
+    rows = [r for r in _bench_readme_rows("h2o|random|scissorhands") if len(r) == 7 and "." in r[2]]
+    assert len(rows) == 6
+    for pol, b, nll, dnll, agree, top1, greedy in rows:
+        r, g = o[(pol, int(b))], e[(pol, int(b))]
+        assert [nll, dnll, agree, top1, greedy] == [
+            f"{r['nll']:.3f}", f"{r['delta_nll']:+.3f}", f"{r['agree_full']:.2f}", f"{r['top1_acc']:.2f}",
+            f"{g['prefix_agreement']:.2f}"], (pol, b)
