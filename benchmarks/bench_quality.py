@@ -27,6 +27,7 @@ Usage::
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -167,33 +168,60 @@ def engine_part(p: dict, bar) -> dict:
                 preemptions=out["preemptions"], tokens=out["tokens"])
 
 
+#: line style per policy: distinct markers and dashes so that equal series stay visible
+_STYLES = {"h2o": dict(marker="o", ls="-", ms=11, lw=2.5), "scissorhands": dict(marker="^", ls="--", ms=7, lw=2),
+           "random": dict(marker="s", ls=":", ms=7, lw=2), "tova": dict(marker="D", ls="-.", ms=6, lw=2),
+           "streaming": dict(marker="v", ls=(0, (5, 2, 1, 2)), ms=6, lw=2)}
+
+
 def plot(res: dict, path: Path) -> None:
+    """Three panels over the budget (tokens; ticks at the measured budgets): teacher-forced NLL
+    (nats/token, y from 0, the full cache dashed), next-token agreement with the full cache and
+    greedy prefix agreement inside vLLM (fractions, y from 0 to 1). Series that coincide are
+    named in the panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     osum = [s for s in res["oracle"]["summary"] if s["policy"] != "full"]
     esum = res["engine"]["summary"]
     full_nll = next(s["nll"] for s in res["oracle"]["summary"] if s["policy"] == "full")
-    for pol in dict.fromkeys(s["policy"] for s in osum):
-        ss = sorted((s for s in osum if s["policy"] == pol), key=lambda s: s["budget"])
-        axes[0].plot([s["budget"] for s in ss], [s["nll"] for s in ss], "o-", label=pol)
-        axes[1].plot([s["budget"] for s in ss], [s["agree_full"] for s in ss], "o-", label=pol)
-    axes[0].axhline(full_nll, color="k", ls="--", label="full cache")
-    for pol in dict.fromkeys(s["policy"] for s in esum):
-        ss = sorted((s for s in esum if s["policy"] == pol), key=lambda s: s["budget"])
-        axes[2].plot([s["budget"] for s in ss], [s["prefix_agreement"] for s in ss], "o-", label=pol)
-    oc, ec = res["oracle"]["config"], res["engine"]["config"]
-    axes[0].set_title(f"A: teacher-forced NLL of next {oc['K']} real tokens\n(prompt {oc['prompt_len']}, fp32 oracle)",
-                      fontsize=8)
-    axes[1].set_title("A: next-token agreement with full cache", fontsize=8)
-    axes[2].set_title(f"B: greedy prefix agreement, {ec['K']} tokens\n(vLLM bf16, prompt {ec['prompt_len']})", fontsize=8)
-    for ax in axes:
+    panels = [(axes[0], osum, "nll"), (axes[1], osum, "agree_full"), (axes[2], esum, "prefix_agreement")]
+    budgets = sorted({s["budget"] for s in osum} | {s["budget"] for s in esum})
+    for ax, summ, key in panels:
+        series: dict[str, tuple] = {}
+        for pol in dict.fromkeys(s["policy"] for s in summ):
+            ss = sorted((s for s in summ if s["policy"] == pol), key=lambda s: s["budget"])
+            xs, ys = [s["budget"] for s in ss], [s[key] for s in ss]
+            series[pol] = (tuple(xs), tuple(round(y, 9) for y in ys))
+            ax.plot(xs, ys, label=pol, **_STYLES.get(pol, dict(marker="o", ls="-")))
+        same = [[p for p, v in series.items() if v == val] for val in dict.fromkeys(series.values())]
+        same = [g for g in same if len(g) > 1]
+        if same:
+            ax.text(0.03, 0.97, "; ".join(" = ".join(g) for g in same) + " (lines overlap)", transform=ax.transAxes,
+                    fontsize=10, va="top")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget (tokens)")
-        ax.legend(fontsize=7)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_xlim(budgets[0] / 1.25, budgets[-1] * 1.25)
+        ax.set_xlabel("budget (tokens)", fontsize=11)
+        ax.tick_params(labelsize=10)
+    axes[0].axhline(full_nll, color="k", ls="--", label="full cache")
+    axes[0].set_ylim(0, 1.1 * max(max(s["nll"] for s in osum), full_nll))
+    axes[0].set_ylabel("NLL (nats/token)", fontsize=11)
+    for ax in axes[1:]:
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("fraction", fontsize=11)
+    oc, ec = res["oracle"]["config"], res["engine"]["config"]
+    axes[0].set_title(f"A: teacher-forced NLL of the next {oc['K']} real tokens\n"
+                      f"(prompt {oc['prompt_len']}, fp32 oracle)", fontsize=11)
+    axes[1].set_title(f"A: next-token agreement with the full cache\n({oc['K']} positions, fp32 oracle)", fontsize=11)
+    axes[2].set_title(f"B: greedy prefix agreement, {ec['K']} tokens\n(vLLM bf16, prompt {ec['prompt_len']})",
+                      fontsize=11)
+    for ax in axes:
+        ax.legend(fontsize=10, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -202,6 +230,9 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality")
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
     from tqdm import tqdm
 
     p = plan(args.size)

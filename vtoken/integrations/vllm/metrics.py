@@ -60,7 +60,7 @@ from prometheus_client import values as _prom_values
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
-__all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS"]
+__all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS", "UNITS", "metrics_table_markdown"]
 
 #: gauge name -> (VTokenStats field, help)
 GAUGES: dict[str, tuple[str, str]] = {
@@ -83,6 +83,38 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:request_faults": ("request_faults",
                               "Requests whose eviction was turned off by a fault confined to them (see the log)."),
 }
+
+#: unit of each metric (by the name in GAUGES / COUNTERS)
+UNITS: dict[str, str] = {
+    "vtoken:live_tokens": "tokens",
+    "vtoken:logical_tokens": "tokens",
+    "vtoken:retained_blocks": "blocks",
+    "vtoken:naive_retained_blocks": "blocks",
+    "vtoken:dense_blocks": "blocks",
+    "vtoken:evicting_requests": "requests",
+    "vtoken:evicted_tokens": "tokens",
+    "vtoken:moved_tokens": "tokens",
+    "vtoken:freed_blocks": "blocks",
+    "vtoken:evictions": "events",
+    "vtoken:repack_seconds": "seconds",
+    "vtoken:preemption_resets": "requests",
+}
+
+
+def metrics_table_markdown() -> str:
+    """The README's table of every ``vtoken:`` metric: exported name, type, unit, meaning.
+
+    Generated from :data:`GAUGES`, :data:`COUNTERS` and :data:`UNITS` (counters are exported
+    with prometheus_client's ``_total`` suffix); every metric has the labels ``model_name``
+    and ``engine``.
+    """
+    rows = ["| metric | type | unit | meaning |", "|---|---|---|---|"]
+    for name, (_, doc) in GAUGES.items():
+        rows.append(f"| `{name}` | gauge | {UNITS[name]} | {doc} |")
+    for name, (_, doc) in COUNTERS.items():
+        rows.append(f"| `{name}_total` | counter | {UNITS[name]} | {doc} |")
+    return "\n".join(rows) + "\n"
+
 
 _LABELS = ["model_name", "engine"]
 # One family per name per process (a second scheduler in the same process reuses them).

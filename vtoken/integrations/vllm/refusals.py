@@ -106,18 +106,18 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
     """Raise the refusal ``key`` of :data:`REFUSALS` for ``value``.
 
     Raises:
-        VTokenConfigError: ``vToken does not support <option> = <value> yet: <reason>[ (<detail>)]``
-            for an option; ``vToken does not support model <value> yet: <feature> (model feature)[,
-            <detail>]: <reason>`` for a model feature.
+        VTokenConfigError: ``<option> = <value>: vToken does not support it yet (<reason>[; <detail>])``
+            for an option; ``--model = <value>: vToken does not support it yet (<feature>[; <detail>]:
+            <reason>)`` for a model feature (the one error format of ``vtoken.config``).
         KeyError: ``key`` is not in the table (a refusal the README would not list).
     """
     r = _BY_KEY[key]
-    extra = f" ({detail})" if detail else ""
+    # the one error format (vtoken.config): "<where> = <value>: <problem>"
+    extra = f"; {detail}" if detail else ""
     if r.option.startswith("--"):
         option = r.option.split(" ", 1)[0]
-        raise VTokenConfigError(f"vToken does not support {option} = {value!r} yet: {r.reason}{extra}")
-    extra = f", {detail}" if detail else ""
-    raise VTokenConfigError(f"vToken does not support model {value!r} yet: {r.option}{extra}: {r.reason}")
+        raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
+    raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")
 
 
 # ---------------------------------------------------------------------- start-up checks
