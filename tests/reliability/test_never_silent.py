@@ -200,7 +200,7 @@ def test_every_setting_vtoken_changes_is_warned_by_name(probe):
 def test_kv_cache_dtype_outside_allowlist_refused(probe, case, value):
     r = probe[case]
     assert not r["ok"] and r["type"] == "VTokenConfigError", r
-    assert r["msg"] == f"vToken does not support --kv-cache-dtype = {value!r} yet: {_row('kv_cache_dtype').reason}"
+    assert r["msg"] == f"--kv-cache-dtype = {value!r}: vToken does not support it yet ({_row('kv_cache_dtype').reason})"
     assert "allowed: auto, bfloat16, float16" in r["msg"]
 
 
@@ -219,8 +219,8 @@ def test_model_feature_refused_by_name(probe, case, key, evidence):
     r = probe[case]
     assert not r["ok"] and r["type"] == "VTokenConfigError", r
     row = _row(key)
-    assert r["msg"] == (f"vToken does not support model {probe['_models'][case]!r} yet: {row.option}, {evidence}: "
-                        f"{row.reason}")
+    assert r["msg"] == (f"--model = {probe['_models'][case]!r}: vToken does not support it yet ({row.option}; "
+                        f"{evidence}: {row.reason})")
 
 
 # ---------------------------------------------------------------------- part 2: the OpenAI server

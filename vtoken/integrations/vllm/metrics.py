@@ -98,6 +98,7 @@ UNITS: dict[str, str] = {
     "vtoken:evictions": "events",
     "vtoken:repack_seconds": "seconds",
     "vtoken:preemption_resets": "requests",
+    "vtoken:request_faults": "requests",
 }
 
 

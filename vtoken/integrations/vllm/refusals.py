@@ -13,7 +13,7 @@ Start-up checks (called by the plugin's ``create_engine_config`` wrapper, in the
 process, before any weights load): :func:`check_engine_args` on the ``EngineArgs`` before
 vLLM builds its config, :func:`check_model` and :func:`check_kv_cache_dtype` on the built
 ``VllmConfig``. Errors are :class:`~vtoken.config.VTokenConfigError` (a ``ValueError``):
-``vToken does not support <option> = <value> yet: <reason>[; allowed: ...]``.
+``<option> = <value>: vToken does not support it yet (<reason>[; allowed: ...])``.
 """
 
 from __future__ import annotations
