@@ -156,6 +156,15 @@ class VTokenSchedulerMixin:
         self._vt_states[rid] = st
         return st
 
+    @staticmethod
+    def _vt_done_in_flight(req) -> bool:
+        """Under async scheduling: the in-flight steps already produce the request's last token
+        (``max_tokens`` reached once their outputs land), so it gets no further step to evict for."""
+        placeholders = getattr(req, "num_output_placeholders", 0)
+        max_tokens = getattr(req, "max_tokens", None)
+        return bool(placeholders) and max_tokens is not None and (
+            req.num_tokens + placeholders - req.num_prompt_tokens >= max_tokens)
+
     def _vt_fault(self, rid: str, st: RequestState, exc: BaseException) -> None:
         """Turn eviction off for one request after a fault confined to it; count and log it."""
         st.faulted = True
@@ -174,6 +183,8 @@ class VTokenSchedulerMixin:
             if st is None or not st.decoding or st.faulted:
                 continue
             rid = req.request_id
+            if self._vt_done_in_flight(req):
+                continue  # async: its last token is in flight; it will not be scheduled again
             try:
                 self._vt_fold_scores(st, st.steps)
                 if st.decode_steps + 1 < st.first_evict:
