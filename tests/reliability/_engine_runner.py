@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from vtoken.integrations.vllm import harness
 
@@ -149,7 +149,10 @@ class FaultHooks(harness.RunHooks):
         )
 
 
-def run_in_subprocess(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-    """Run ``spec`` through the harness in a fresh process with :class:`FaultHooks`."""
-    return harness.run_in_subprocess(dict(spec, hooks=f"{Path(__file__).resolve()}:FaultHooks"),
-                                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}, timeout=timeout)
+def run_in_subprocess(spec: dict[str, Any], timeout: float = 600, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Run ``spec`` through the harness in a fresh process with :class:`FaultHooks`
+    (``env``: extra environment, e.g. ``execution_paths.path_env(...)``)."""
+    e = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    e.update(env or {})
+    return harness.run_in_subprocess(dict(spec, hooks=f"{Path(__file__).resolve()}:FaultHooks"), env=e,
+                                     timeout=timeout)
