@@ -109,9 +109,22 @@ class VTokenConfig(BaseModel):
     score_every: int = Field(
         1, ge=1, description="score attention on every prefill chunk and every k-th decode step (1: every step)"
     )
+    pacing: Literal["fixed", "pressure"] = Field(
+        "fixed",
+        description="fixed: evict once live tokens exceed budget + slack; pressure: the budget is a floor applied "
+        "only when the block pool is short (a step's block demand plus the watermark exceeds the free blocks), "
+        "evicting just enough, most reclaimable requests first",
+    )
+    watermark_blocks: int = Field(
+        0, ge=0, description="pressure pacing: free blocks to keep in reserve, in blocks"
+    )
+    watermark_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="pressure pacing: free blocks to keep in reserve, as a fraction of the "
+        "pool (the larger of the two watermarks applies)"
+    )
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
-                     mode="before")
+                     "watermark_blocks", "watermark_fraction", mode="before")
     @classmethod
     def _no_bool(cls, v: Any) -> Any:
         # JSON true/false would otherwise pass as 1/0 (pydantic's lax int/float).

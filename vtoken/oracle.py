@@ -191,6 +191,7 @@ def oracle_generate(
     return_logits: bool = False,
     policy: Optional[EvictionPolicy] = None,
     score_lag: int = 0,
+    evict_schedule: Optional[dict[int, int]] = None,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
 
@@ -211,6 +212,10 @@ def oracle_generate(
             (budget and slack still come from ``cfg``, which must then be given).
         score_lag: request-steps by which attention statistics reach the policy late
             (0: sync scheduling; 1: vLLM's async scheduling); see the module docstring.
+        evict_schedule: decode step -> tokens to ask the policy to evict, replacing the
+            ``budget + slack`` rule (pressure pacing decides amounts from pool state; the
+            engine records them, ``RequestState.evict_log``, and the oracle replays them;
+            the victims are still the policy's choice).
 
     Returns:
         :class:`OracleResult`.
@@ -325,7 +330,10 @@ def oracle_generate(
             n = len(logical_pos)
             if state is not None:
                 fold_lagged(d)
-                k = num_to_evict(n, budget, slack) if d >= first_evict else 0
+                if evict_schedule is not None:
+                    k = min(int(evict_schedule.get(d, 0)), n)
+                else:
+                    k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
                     view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P)
                     victims = np.asarray(policy.select_victims(state, view, k), dtype=np.int64)

@@ -19,6 +19,10 @@ name                                kind     meaning
 ``vtoken:repack_seconds_total``     counter  scheduler time spent choosing victims and planning
 ``vtoken:preemption_resets_total``  counter  vToken states dropped because vLLM preempted a request
 ``vtoken:request_faults_total``     counter  requests whose eviction was turned off by a fault confined to them
+``vtoken:tokens_above_budget``      gauge    pressure pacing: live tokens kept above budget
+``vtoken:pressure_events_total``    counter  pressure pacing: steps where the pool was short
+``vtoken:pressure_evictions_total`` counter  pressure pacing: eviction events under pressure
+``vtoken:shortfalls_covered_total`` counter  pressure pacing: short steps fully covered (preemptions avoided)
 ==================================  =======  =================================================
 
 Gauges are the state after the last ``schedule()`` (and after the engine goes idle: the
@@ -71,6 +75,8 @@ GAUGES: dict[str, tuple[str, str]] = {
         "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions."),
     "vtoken:dense_blocks": ("dense_blocks", "Sum over tracked requests of ceil(live_tokens / block_size)."),
     "vtoken:evicting_requests": ("num_evicting_requests", "Tracked requests that have evicted at least one token."),
+    "vtoken:tokens_above_budget": ("tokens_above_budget",
+                                   "Pressure pacing: live tokens kept above the requests' budgets (no pressure)."),
 }
 #: counter name (prometheus_client appends ``_total``) -> (VTokenStats field, help)
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -80,6 +86,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:evictions": ("evictions", "Eviction events (one per request and step)."),
     "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves."),
     "vtoken:preemption_resets": ("preemption_resets", "vToken request states dropped because of preemption."),
+    "vtoken:pressure_events": ("pressure_events",
+                               "Pressure pacing: steps where a step's block demand plus the watermark exceeded the free blocks."),
+    "vtoken:pressure_evictions": ("pressure_evictions", "Pressure pacing: eviction events decided under pressure."),
+    "vtoken:shortfalls_covered": ("shortfalls_covered",
+                                  "Pressure pacing: short steps whose whole shortfall eviction freed, before vLLM "
+                                  "had to preempt (preemptions avoided)."),
     "vtoken:request_faults": ("request_faults",
                               "Requests whose eviction was turned off by a fault confined to them (see the log)."),
 }
@@ -99,6 +111,10 @@ UNITS: dict[str, str] = {
     "vtoken:repack_seconds": "seconds",
     "vtoken:preemption_resets": "requests",
     "vtoken:request_faults": "requests",
+    "vtoken:tokens_above_budget": "tokens",
+    "vtoken:pressure_events": "steps",
+    "vtoken:pressure_evictions": "events",
+    "vtoken:shortfalls_covered": "steps",
 }
 
 
