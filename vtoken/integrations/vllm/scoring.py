@@ -44,6 +44,7 @@ class StepScores:
         self.col: dict[str, torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
         self.num_layers = 0
+        self.num_heads = 0  #: query heads this rank scored per layer (``impl.num_heads``: Hq / TP)
         self._plan: Optional[dict[str, Any]] = None
         self._single_acc: Optional[torch.Tensor] = None  # float64 [R, max_n]
 
@@ -86,6 +87,10 @@ class StepScores:
         plan = self._plan
         self.num_layers += 1
         Hq, hd, Hkv = impl.num_heads, impl.head_size, impl.num_kv_heads
+        if self.num_heads and Hq != self.num_heads:
+            raise ValueError(f"vToken scoring: layer with {Hq} query heads after layers with {self.num_heads}; "
+                             "the tensor-parallel mean needs one head count per rank")
+        self.num_heads = Hq
         q_all = query.view(-1, Hq, hd)
         if plan["singles"]:
             k = layout.gather_keys_batched(kv_cache, plan["blocks"], plan["offsets"])  # [R, Hkv, max_n, hd]
