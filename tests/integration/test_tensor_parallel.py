@@ -217,7 +217,8 @@ def _layer0_keys(model, toks: list[int]) -> np.ndarray:
 
 def test_tp2_mrv2_async(tiny):
     out = _run(tiny, BASE_VTOKEN, "mrv2-async")
-    assert out["paths"]["use_v2_model_runner"] and out["paths"]["async_scheduling"]
+    assert out["paths"]["use_v2_model_runner"] and out["paths"]["async_scheduling"] and out["paths"]["batch_queue"] == 2
+    assert out["vtoken"]["stats"]["evicted_tokens"] > 0 and out["vtoken"]["stats"]["request_faults"] == 0
     assert not _mismatches(tiny, out, SCORE_LAG["mrv2-async"])
 
 
