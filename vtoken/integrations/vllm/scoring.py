@@ -101,12 +101,12 @@ class StepScores:
     Args:
         rows: ``(batch row, req_id, AttentionNeed value)`` of the rows to score; the batch
             row indexes the attention metadata (``query_start_loc``, ``seq_lens``, ``block_table``).
-        tile_elems: see :func:`prefill_stats`.
+        tile_elems: see :func:`prefill_stats`; default: the module's :data:`TILE_ELEMS`.
     """
 
-    def __init__(self, rows: list[tuple[int, str, int]], tile_elems: int = TILE_ELEMS):
+    def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None):
         self.rows = rows
-        self.tile_elems = tile_elems
+        self.tile_elems = TILE_ELEMS if tile_elems is None else tile_elems
         self.col: dict[str, torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
         self.num_layers = 0
