@@ -11,7 +11,8 @@ divides by 2; SmolLM2-135M has 9), fp32:
 TP=2 runs through vLLM's multiprocessing executor with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``
 and ``OMP_NUM_THREADS=1`` (one core per rank); TP=1 uses both cores. Metric: harness
 ``wall_s / steps``. Bytes all-reduced per step come from the worker test hook
-(``VTOKEN_TEST_WORKER_DIR``: rank 0's log of every score all-reduce, float64 elements * 8).
+(``VTOKEN_TEST_WORKER_DIR``: rank 0's log of every score all-reduce, float64 elements * 8,
+and the wall time of the ``all_reduce`` call itself, which includes waiting for the slower rank).
 
 The machine is shared with other agents (2 cores): timings are indicative only; the load
 average is recorded before and after. Writes ``benchmarks/results/tp_cost.json``.
@@ -71,6 +72,8 @@ def main() -> int:
                               allreduce_bytes_per_call_mean=statistics.mean(r["bytes"] for r in recs) if recs else 0,
                               allreduce_bytes_per_call_max=max((r["bytes"] for r in recs), default=0),
                               allreduce_bytes_total=sum(r["bytes"] for r in recs),
+                              allreduce_us_median=statistics.median(r["us"] for r in recs) if recs else 0,
+                              allreduce_us_total=sum(r["us"] for r in recs),
                               evicted_tokens=(out.get("vtoken") or {}).get("stats", {}).get("evicted_tokens"))
             print(name, json.dumps(runs[name]))
     tokens_note = "vToken on: H2O budget 64 slack 0, every decode step scores all 8 requests"

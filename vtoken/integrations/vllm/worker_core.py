@@ -29,6 +29,7 @@ import copy
 import json
 import logging
 import os
+import time
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -213,11 +214,13 @@ class VTokenWorkerCore:
         for rid in order:
             parts += [h * a for a in res[rid] if a is not None]
         flat = torch.from_numpy(np.concatenate(parts))
+        t0 = time.perf_counter()
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self._tp.cpu_group)
+        dt = time.perf_counter() - t0
         self.reduce_calls += 1
         self.reduce_bytes += flat.numel() * flat.element_size()
         if self.test_dir:
-            self._test_log("allreduce", dict(bytes=flat.numel() * flat.element_size(), rows=len(order)))
+            self._test_log("allreduce", dict(bytes=flat.numel() * flat.element_size(), rows=len(order), us=dt * 1e6))
         total = float(flat[0])
         out: ScoreMap = {}
         i = 1
