@@ -64,6 +64,14 @@ REFUSALS: tuple[Refusal, ...] = (
             "speculative decoding: drafters address the KV cache by logical position"),
     Refusal("pipeline_parallel", "--pipeline-parallel-size > 1", "start-up",
             "scores would need a cross-stage exchange"),
+    Refusal("decode_context_parallel", "--decode-context-parallel-size > 1", "start-up",
+            "decode context parallelism shards each request's KV cache by token across ranks (interleaved "
+            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
+            "exchange"),
+    Refusal("prefill_context_parallel", "--prefill-context-parallel-size > 1", "start-up",
+            "prefill context parallelism shards each request's KV cache by token across ranks (interleaved "
+            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
+            "exchange"),
     Refusal("kv_transfer", "--kv-transfer-config", "start-up",
             "KV connectors assume positionally stable block tables"),
     Refusal("kv_events", "--kv-events-config", "start-up",
@@ -131,6 +139,10 @@ def check_engine_args(args) -> None:
         refuse("speculative", args.speculative_config)
     if (args.pipeline_parallel_size or 1) > 1:
         refuse("pipeline_parallel", args.pipeline_parallel_size)
+    if (getattr(args, "decode_context_parallel_size", 1) or 1) > 1:
+        refuse("decode_context_parallel", args.decode_context_parallel_size)
+    if (getattr(args, "prefill_context_parallel_size", 1) or 1) > 1:
+        refuse("prefill_context_parallel", args.prefill_context_parallel_size)
     if args.kv_transfer_config is not None:
         refuse("kv_transfer", "set")
     if getattr(args, "kv_events_config", None) is not None:
