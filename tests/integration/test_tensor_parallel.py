@@ -246,5 +246,5 @@ def test_context_parallel_refused_by_name(tiny, field, option):
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r == {"ok": False, "type": "VTokenConfigError",
-                 "msg": f"vToken does not support {option} = 2 yet: "
-                        f"{next(x.reason for x in __import__('vtoken.integrations.vllm.refusals', fromlist=['x']).REFUSALS if x.option.startswith(option))}"}
+                 "msg": f"{option} = 2: vToken does not support it yet ("
+                        f"{next(x.reason for x in __import__('vtoken.integrations.vllm.refusals', fromlist=['x']).REFUSALS if x.option.startswith(option))})"}
