@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full patches-check device-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality patches-check device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,11 @@ test-fast: install
 # Small versions of every benchmark (5 min 42 s on 2 quiet cores); results in benchmarks/results/.
 bench: assets
 	$(VPY) benchmarks/bench_all.py --small
+
+# Quality at scale (issue 13): 40 long ShareGPT conversations, every policy x budget x pacing,
+# teacher-forced oracle; benchmarks/results/quality_scale.json + .png (run time in the JSON).
+bench-quality: assets
+	$(VPY) benchmarks/bench_quality.py --scale
 
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets

@@ -84,9 +84,10 @@ def machine_info() -> dict[str, Any]:
                 load_average_1_5_15=list(os.getloadavg()))
 
 
-def parse_size_args(argv, description: str, name: str):
+def parse_size_args(argv, description: str, name: str, extra_sizes: tuple[str, ...] = ()):
     """The ``--small | --full`` (default full), ``--out`` and ``--replot`` options shared by the benchmarks.
 
+    ``extra_sizes`` adds more ``--<size>`` choices (e.g. ``("scale",)`` for the quality benchmark).
     Returns ``(args, out_path)``; ``out_path`` defaults to ``results/<name>_<size>.json``.
     """
     import argparse
@@ -95,6 +96,8 @@ def parse_size_args(argv, description: str, name: str):
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--small", action="store_const", dest="size", const="small")
     g.add_argument("--full", action="store_const", dest="size", const="full")
+    for extra in extra_sizes:
+        g.add_argument(f"--{extra}", action="store_const", dest="size", const=extra)
     ap.set_defaults(size="full")
     ap.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}_<size>.json)")
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
