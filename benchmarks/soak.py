@@ -3,7 +3,7 @@
     python benchmarks/soak.py --minutes N [--model tiny|smollm2] [--clients 4] [--seed 0] [--out PATH]
 
 Bounded and loopback only: it starts ``vllm.entrypoints.openai.api_server`` on 127.0.0.1
-(its own process group, killed at the end whatever happens) with ``VTOKEN_CHECK=1`` (the
+(``vtoken.integrations.vllm.launcher``: its own process group, killed at the end whatever happens) with ``VTOKEN_CHECK=1`` (the
 scheduler asserts block ownership and per-request block counts after every step; a
 violation kills the engine), a small KV pool (so preemptions happen) and H2O as the
 default policy. Several client threads send ShareGPT first turns
@@ -28,11 +28,7 @@ import json
 import os
 import platform
 import random
-import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +41,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from vtoken.integrations.vllm.launcher import OpenAIServer, start_server  # noqa: E402
 
 POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random"]
 MODEL_NAME = "soak"
@@ -60,12 +58,6 @@ SHAPES = {
     "smollm2": dict(args=["--dtype", "float32", "--max-model-len", "2048", "--num-gpu-blocks-override", "80"],
                     max_chars=3000, max_tokens=(8, 128), budgets=(32, 256), vtoken={"policy": "h2o", "budget": 192}),
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_dir(name: str) -> str:
@@ -93,82 +85,15 @@ def load_prompts(max_chars: int, n: int = 2000, seed: int = 0) -> list[str]:
     return out
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """``/metrics`` as ``{name: value summed over label sets}``."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-    return out
+#: the soak's server shape besides each model's (vLLM options after --model/--host/--port)
+SERVER_ARGS = ["--gpu-memory-utilization", "0.1", "--block-size", "32", "--enforce-eager", "--max-num-seqs", "8"]
 
 
-class SoakServer:
-    """The OpenAI server in its own process group on 127.0.0.1; ``close()`` kills the group."""
-
-    def __init__(self, model: str, shape: dict, log_path: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", _model_dir(model),
-                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-                "--gpu-memory-utilization", "0.1", "--block-size", "32", "--enforce-eager", "--max-num-seqs", "8",
-                *shape["args"], "--additional-config", json.dumps({"vtoken": shape["vtoken"]})]
-        self.argv = argv
-        env = dict(os.environ, VTOKEN_CHECK="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        self._logf = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log tail:\n{self.log()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-
-    def healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            return False
-        try:
-            return requests.get(self.url + "/health", timeout=10).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def metrics(self) -> dict[str, float]:
-        r = requests.get(self.url + "/metrics", timeout=30)
-        r.raise_for_status()
-        return parse_metrics(r.text)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._logf.close()
+def start_soak_server(model: str, shape: dict, log_path: Path) -> OpenAIServer:
+    """The OpenAI server with ``VTOKEN_CHECK=1`` (vtoken.integrations.vllm.launcher; call ``close()``)."""
+    return start_server(_model_dir(model), log_path, [*SERVER_ARGS, *shape["args"]], {"vtoken": shape["vtoken"]},
+                        served_model_name=MODEL_NAME,
+                        env=dict(VTOKEN_CHECK="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")))
 
 
 class Stats:
@@ -203,7 +128,7 @@ BAD_XARGS = [{"vtoken_budget": -1}, {"vtoken_budget": "lots"}, {"vtoken_policy":
              {"vtoken_budgett": 3}, {"vtoken_budget": 0.5}]
 
 
-def client(srv: SoakServer, prompts: list[str], shape: dict, deadline: float, seed: int, stats: Stats,
+def client(srv: OpenAIServer, prompts: list[str], shape: dict, deadline: float, seed: int, stats: Stats,
            max_requests: int) -> None:
     rng = random.Random(seed)
     for _ in range(max_requests):
@@ -278,7 +203,7 @@ def client(srv: SoakServer, prompts: list[str], shape: dict, deadline: float, se
             stats.fail(f"{kind} stream={stream}: {e!r}")
 
 
-def sentinel(srv: SoakServer, prompt: str) -> list[int]:
+def sentinel(srv: OpenAIServer, prompt: str) -> list[int]:
     path, body = _body("completion", prompt, 32, False, {"vtoken_policy": "tova", "vtoken_budget": 40})
     body["return_token_ids"] = True
     r = requests.post(srv.url + path, json=body, timeout=HTTP_TIMEOUT_S)
@@ -286,7 +211,7 @@ def sentinel(srv: SoakServer, prompt: str) -> list[int]:
     return list(r.json()["choices"][0]["token_ids"])
 
 
-def wait_idle(srv: SoakServer, timeout_s: float = 90.0) -> dict[str, float]:
+def wait_idle(srv: OpenAIServer, timeout_s: float = 90.0) -> dict[str, float]:
     end = time.monotonic() + timeout_s
     m: dict[str, float] = {}
     while time.monotonic() < end and srv.proc.poll() is None:
@@ -335,12 +260,12 @@ def soak(minutes: float, model: str = "tiny", clients: int = 4, seed: int = 0, l
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vtoken_soak_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    srv = SoakServer(model, shape, log_dir / "server.log")
+    srv = start_soak_server(model, shape, log_dir / "server.log")
     checks: dict[str, bool] = {}
     stats = Stats()
     res: dict[str, Any] = dict(minutes=minutes, model=model, clients=clients, seed=seed, server_argv=srv.argv[1:])
     try:
-        srv.wait_healthy()
+        srv.wait_healthy(START_TIMEOUT_S)
         res["startup_s"] = round(time.monotonic() - t_start, 1)
         m0 = srv.metrics()
         s0 = sentinel(srv, prompts[0])

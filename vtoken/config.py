@@ -45,9 +45,18 @@ def _format_validation_error(prefix: str, err: ValidationError) -> str:
         val = e.get("input")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = _unknown_key_msg(str(e["loc"][-1]) if e["loc"] else "")
         lines.append(f"{prefix}.{loc} = {val!r}: {msg}")
     return "; ".join(lines)
+
+
+#: options that existed once and were removed: key -> why (a config naming one gets this in its error)
+_REMOVED_KEYS = {"log_stats": "it never did anything; vToken's counters are on /metrics"}
+
+
+def _unknown_key_msg(key: str) -> str:
+    what = f"removed option ({_REMOVED_KEYS[key]})" if key in _REMOVED_KEYS else "unknown key"
+    return f"{what}; allowed: {sorted(VTokenConfig.model_fields)}"
 
 
 def _known_policies() -> list[str]:
@@ -79,28 +88,50 @@ class VTokenConfig(BaseModel):
         description="vtoken: repack and free emptied blocks; naive: Naive-Evict baseline "
         "(same decisions; a block is freed only when every token ever placed in it is dead).",
     )
-    policy: str = Field("h2o", description="eviction policy name (entry point group vtoken.policies)")
-    budget: int = Field(256, ge=1, description="KV budget per request, in tokens")
+    policy: str = Field("h2o", description="eviction policy: a name registered under the vtoken.policies entry point")
+    budget: int = Field(256, ge=1, description="KV budget per request, in tokens (live tokens kept after an eviction)")
     budget_ratio: Optional[float] = Field(
-        None, gt=0.0, le=1.0, description="budget as a fraction of the prompt length (overrides budget)"
+        None, gt=0.0, le=1.0,
+        description="budget as a fraction of the prompt length, ceil(ratio * prompt tokens) (overrides budget)",
     )
-    slack: Optional[int] = Field(None, ge=0, description="tokens over budget tolerated before evicting; None = policy default")
-    sink_tokens: Optional[int] = Field(None, ge=0, description="attention sinks kept (first logical positions)")
-    recent_tokens: Optional[int] = Field(None, ge=0, description="most recent tokens kept")
+    slack: Optional[int] = Field(
+        None, ge=0, description="tokens over budget tolerated before evicting (0: evict every step once full); "
+        "null: the policy's default")
+    sink_tokens: Optional[int] = Field(
+        None, ge=0, description="first logical positions never evicted (attention sinks), in tokens; "
+        "null: the policy's default; sink_tokens + recent_tokens <= budget")
+    recent_tokens: Optional[int] = Field(
+        None, ge=0, description="most recent tokens never evicted, in tokens; null: the policy's default")
     seed: int = Field(0, description="seed of the random policy")
-    policy_args: dict[str, Any] = Field(default_factory=dict, description="policy-specific parameters")
-    score_every: int = Field(1, ge=1, description="compute attention scores every k decode steps")
-    log_stats: bool = Field(True, description="log a one-line vToken summary with vLLM's stats")
+    policy_args: dict[str, Any] = Field(
+        default_factory=dict, description="policy-specific parameters, e.g. {\"window\": 64} for scissorhands; "
+        "unknown names are refused")
+    score_every: int = Field(
+        1, ge=1, description="score attention on every prefill chunk and every k-th decode step (1: every step)"
+    )
+    pacing: Literal["fixed", "pressure"] = Field(
+        "fixed",
+        description="fixed: evict once live tokens exceed budget + slack; pressure: the budget is a floor applied "
+        "only when the block pool is short (a step's block demand plus the watermark exceeds the free blocks), "
+        "evicting just enough, most reclaimable requests first",
+    )
+    watermark_blocks: int = Field(
+        0, ge=0, description="pressure pacing: free blocks to keep in reserve, in blocks"
+    )
+    watermark_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="pressure pacing: free blocks to keep in reserve, as a fraction of the "
+        "pool (the larger of the two watermarks applies)"
+    )
     protect_cached_prefix: bool = Field(
-        True,
-        description="with vLLM prefix caching on: never evict the tokens of a request's full prompt blocks, so "
-        "they stay in the prefix cache for later requests (docs/integration.md, 'Prefix caching'); false: "
-        "protect only the prefix the request got from the cache and keep its own blocks out of the cache until "
-        "it ends. No effect with prefix caching off.",
+        False,
+        description="with vLLM prefix caching on: false: never evict the prefix a request got from the cache "
+        "(it may be shared), and cache the request's own blocks only up to its first eviction, when it ends; "
+        "true: also never evict its full prompt blocks, so the whole prompt stays reusable while it runs (long "
+        "prompts then keep at least their full prompt blocks). No effect with prefix caching off",
     )
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
-                     mode="before")
+                     "watermark_blocks", "watermark_fraction", mode="before")
     @classmethod
     def _no_bool(cls, v: Any) -> Any:
         # JSON true/false would otherwise pass as 1/0 (pydantic's lax int/float).

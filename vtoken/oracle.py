@@ -192,6 +192,7 @@ def oracle_generate(
     policy: Optional[EvictionPolicy] = None,
     score_lag: int = 0,
     protected_prefix: int = 0,
+    evict_schedule: Optional[dict[int, int]] = None,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
 
@@ -216,6 +217,10 @@ def oracle_generate(
             (tokens, >= 0): the engine's prefix-caching rule for this request (its cached or
             shared prefix blocks, ``RequestState.protected``; docs/integration.md, "Prefix
             caching"). 0: none (prefix caching off).
+        evict_schedule: decode step -> tokens to ask the policy to evict, replacing the
+            ``budget + slack`` rule (pressure pacing decides amounts from pool state; the
+            engine records them, ``RequestState.evict_log``, and the oracle replays them;
+            the victims are still the policy's choice).
 
     Returns:
         :class:`OracleResult`.
@@ -335,10 +340,13 @@ def oracle_generate(
             n = len(logical_pos)
             if state is not None:
                 fold_lagged(d)
-                k = num_to_evict(n, budget, slack) if d >= first_evict else 0
+                if evict_schedule is not None:
+                    k = min(int(evict_schedule.get(d, 0)), n)
+                else:
+                    k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
                     view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P,
-                             protected_prefix=protected_prefix)
+                                     protected_prefix=protected_prefix)
                     victims = np.asarray(policy.select_victims(state, view, k), dtype=np.int64)
                     if victims.ndim != 1 or len(victims) > k or len(np.unique(victims)) != len(victims) or (
                         len(victims) and (victims.min() < 0 or victims.max() >= n)

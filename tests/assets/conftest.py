@@ -16,9 +16,9 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def sharegpt_paths(smollm2_path):
-    from vtoken.assets import ensure_sharegpt, sharegpt_long_path
+    from vtoken.assets import ensure_sharegpt, ensure_sharegpt_long
 
-    return ensure_sharegpt(), sharegpt_long_path()
+    return ensure_sharegpt(), ensure_sharegpt_long()
 
 
 @pytest.fixture(scope="session")

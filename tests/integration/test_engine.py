@@ -256,3 +256,40 @@ def test_async_score_lag_changes_scoring_decisions_only(tiny):
             differ.append(r["id"])
     assert differ, "score_lag=1 changed no request: the async comparison could not catch a lag error"
     assert not [d for d in differ if d.startswith(("streaming", "random"))], differ
+
+
+@pytest.mark.parametrize("on_path", ["v1-sync", "mrv2-async"])
+def test_fault_confined_to_one_request(tiny, on_path):
+    """A policy that raises for one request and statistics one slot short for another: both fall
+    back to no eviction (their tokens equal the oracle without eviction), each is named in an
+    error log line and counted in ``request_faults``; every other request's tokens equal the oracle's."""
+    from pathlib import Path
+
+    hooks = f"{Path(__file__).resolve().parent / '_fault_hooks.py'}:FaultInjection"
+    reqs = [dict(id="boom", prompt_token_ids=_prompt(80, 90), max_tokens=32, extra_args={"vtoken_budget": 41}),
+            dict(id="short-tova", prompt_token_ids=_prompt(81, 90), max_tokens=32,
+                 extra_args={"vtoken_policy": "tova", "vtoken_budget": 40})]
+    reqs += [dict(id=f"ok-{pol}", prompt_token_ids=_prompt(82 + i, 90), max_tokens=32,
+                  extra_args={"vtoken_policy": pol, "vtoken_budget": 40}) for i, pol in enumerate(POLICIES)]
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=BASE_VTOKEN, requests=reqs, hooks=hooks),
+                            env=path_env(on_path))
+    assert out["paths"] == EXPECTED[on_path]
+    assert out["vtoken"]["stats"]["request_faults"] == 2
+    errors = [line for line in out["vtoken_log"] if line.startswith("ERROR")]
+    assert len(errors) == 2, errors
+    assert any("boom" in e and "injected policy fault" in e for e in errors), errors
+    assert any("short-tova" in e and "last_row covers 89 slots; step 0 had 90 live tokens" in e for e in errors), errors
+    base = parse_config(BASE_VTOKEN)
+    for r in reqs:
+        got = out["tokens"][r["id"]]
+        assert out["finish"][r["id"]] == "length" and len(got) == 32, r["id"]
+        cfg = None if r["id"] in ("boom", "short-tova") else parse_request_overrides(r["extra_args"]).apply(base)
+        if cfg is None:
+            from vtoken.oracle import oracle_generate
+
+            _oracle_tokens(tiny, [1], 1, base, 0)  # loads the oracle model
+            ref = list(oracle_generate(_oracle_cache["model"], r["prompt_token_ids"], 32, None).token_ids)
+        else:
+            ref = _oracle_tokens(tiny, r["prompt_token_ids"], 32, cfg, SCORE_LAG[on_path])
+        assert got == ref, r["id"]
+    assert out["free_blocks_end"] == out["free_blocks_start"]

@@ -65,7 +65,8 @@ def test_every_refusal_in_the_table_is_raised_by_the_code_and_none_outside():
     assert {r.key for r in REFUSALS if r.when == "request"} == {"streaming_input"}
     assert 'r.key == "streaming_input"' in (ROOT / "vtoken/integrations/vllm/frontend.py").read_text()
     # no refusal message built outside refusals.refuse / the table
-    assert code.count('f"vToken does not support') == 3, "a refusal bypasses refusals.refuse"
+    assert len(re.findall(r'raise VTokenConfigError\(f"[^"]*vToken does not support it yet', code)) == 2, "a refusal bypasses refusals.refuse"
+    assert code.count('f"vToken does not support') == 1  # frontend.py's streaming-input message, from its row
 
 
 def test_refuse_unknown_key_is_an_error():
@@ -116,8 +117,8 @@ def test_check_model_refuses_naming_the_feature(name):
     with pytest.raises(VTokenConfigError) as ei:
         refusals.check_model(vcfg)
     row = next(r for r in REFUSALS if r.key == want[0][0])
-    assert str(ei.value) == (f"vToken does not support model '/m/{name}' yet: {row.option}, {want[0][1]}: "
-                             f"{row.reason}")
+    assert str(ei.value) == (f"--model = '/m/{name}': vToken does not support it yet ({row.option}; {want[0][1]}: "
+                             f"{row.reason})")
 
 
 @pytest.mark.parametrize("impl, key, detail", [
@@ -135,7 +136,7 @@ def test_check_attention_layers(impl, key, detail):
     with pytest.raises(VTokenConfigError) as ei:
         refusals.check_attention_layers("m", layers)
     row = next(r for r in REFUSALS if r.key == key)
-    assert str(ei.value) == f"vToken does not support model 'm' yet: {row.option}, {detail}: {row.reason}"
+    assert str(ei.value) == f"--model = 'm': vToken does not support it yet ({row.option}; {detail}: {row.reason})"
 
 
 # ---------------------------------------------------------------------- KV-cache dtype
@@ -155,10 +156,10 @@ def test_kv_dtype_allowlist_is_what_the_layout_test_covers():
 @pytest.mark.parametrize("cache_dtype, model_dtype, refused", [
     ("auto", "torch.float32", None), ("auto", "torch.bfloat16", None), ("auto", "torch.float16", None),
     ("bfloat16", "torch.bfloat16", None), ("float16", "torch.float16", None),
-    ("auto", "torch.float64", "vToken does not support --kv-cache-dtype = 'auto' yet: {reason} "
-                              "(resolves to the model dtype float64)"),
-    ("fp8_e5m2", "torch.bfloat16", "vToken does not support --kv-cache-dtype = 'fp8_e5m2' yet: {reason}"),
-    ("turboquant_k8v4", "torch.bfloat16", "vToken does not support --kv-cache-dtype = 'turboquant_k8v4' yet: {reason}"),
+    ("auto", "torch.float64", "--kv-cache-dtype = 'auto': vToken does not support it yet ({reason}; "
+                              "resolves to the model dtype float64)"),
+    ("fp8_e5m2", "torch.bfloat16", "--kv-cache-dtype = 'fp8_e5m2': vToken does not support it yet ({reason})"),
+    ("turboquant_k8v4", "torch.bfloat16", "--kv-cache-dtype = 'turboquant_k8v4': vToken does not support it yet ({reason})"),
 ])
 def test_kv_cache_dtype_allowlist(cache_dtype, model_dtype, refused):
     vcfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype),

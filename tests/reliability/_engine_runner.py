@@ -1,11 +1,10 @@
-"""Run groups of requests through one real vLLM engine (vToken on) and report tokens and blocks.
+"""Fault injection for the reliability tests, as hooks of the one engine runner.
 
-``python _engine_runner.py SPEC.json OUT.json``. Like ``vtoken.integrations.vllm.harness``
-(in-process EngineCore, ``VTOKEN_CHECK=1``: the scheduler checks block ownership and
-accounting after every step and a violation fails the run), plus what the fault tests need:
+The runner is ``vtoken.integrations.vllm.harness`` (in-process EngineCore, ``VTOKEN_CHECK=1``:
+the scheduler checks block ownership and accounting after every step and a violation fails
+the run; ``groups`` run one after another in the same engine, each from an idle engine, with
+the pool's free count at both ends). :class:`FaultHooks` adds what the fault tests need:
 
-* ``groups``: batches run one after another in the same engine; each group starts and ends
-  with an idle engine, and reports the pool's free count at both ends.
 * per-request faults: ``abort`` = ``"waiting"`` (right after it is added, before any step),
   ``"prefill"`` (after the first step, mid chunked prefill), ``"after_eviction"`` (between
   steps, right after the step whose schedule() first evicted it), ``"in_repack"`` (inside
@@ -14,7 +13,10 @@ accounting after every step and a violation fails the run), plus what the fault 
 * per request: the steps on which its evictions happened (and their moves), how often it
   was preempted, and the phase it was in when it was aborted.
 
-Spec::
+* per group: the scheduler's stats delta, ``vt_check_invariants()`` at the end, and what is
+  left in the scheduler's maps.
+
+Spec (the harness's, with ``abort`` per request)::
 
     {"engine": {LLM kwargs}, "vtoken": {...}, "check": true,
      "groups": [{"name": "g", "requests": [{"id", "prompt_token_ids", "max_tokens",
@@ -23,53 +25,62 @@ Spec::
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
+
+from vtoken.integrations.vllm import harness
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if spec.get("check", True):
-        os.environ["VTOKEN_CHECK"] = "1"
-    from vllm import LLM, SamplingParams
+class FaultHooks(harness.RunHooks):
+    """Aborts at chosen phases, and per-request eviction / preemption logs (scheduler internals)."""
 
-    kw = dict(spec["engine"])
-    kw.setdefault("seed", 0)
-    kw.setdefault("enable_prefix_caching", False)
-    kw["additional_config"] = {"vtoken": spec["vtoken"]}
-    llm = LLM(**kw)
-    engine = llm.llm_engine
-    sched = engine.engine_core.engine_core.scheduler
-    pool = sched.kv_cache_manager.block_pool
+    def __init__(self) -> None:
+        self.cur = {"step": 0}
+        self.evict_log: dict[str, list[list[int]]] = {}  # internal id -> [[step, evicted, moves], ...]
+        self.preempt: dict[str, int] = {}
+        self.in_step_abort: dict[str, str] = {}  # internal id -> external id, abort inside the repack step
+        self.phase_at_abort: dict[str, dict] = {}
+        self.ext_of: dict[str, str] = {}
 
     # ---- instrumentation (instance attributes shadow the class methods)
-    cur = {"step": 0}
-    evict_log: dict[str, list[list[int]]] = {}  # internal id -> [[step, evicted, moves], ...]
-    preempt: dict[str, int] = {}
-    in_step_abort: dict[str, str] = {}  # internal id -> external id, abort inside the repack step
-    phase_at_abort: dict[str, dict] = {}
-    orig_evict = sched._vt_evict
+    def attach(self, engine, sched) -> None:
+        self.engine, self.sched = engine, sched
+        orig_evict = sched._vt_evict
 
-    def _vt_evict(rid, st, k, payload, srcs, dsts):
-        e0, m0 = st.evicted, st.moved
-        orig_evict(rid, st, k, payload, srcs, dsts)
-        evict_log.setdefault(rid, []).append([cur["step"], st.evicted - e0, st.moved - m0])
+        def _vt_evict(rid, st, k, payload, srcs, dsts):
+            e0, m0 = st.evicted, st.moved
+            orig_evict(rid, st, k, payload, srcs, dsts)
+            self.evict_log.setdefault(rid, []).append([self.cur["step"], st.evicted - e0, st.moved - m0])
 
-    sched._vt_evict = _vt_evict
-    orig_preempt = sched._preempt_request
+        sched._vt_evict = _vt_evict
+        orig_preempt = sched._preempt_request
 
-    def _preempt_request(request, *a, **k):
-        preempt[request.request_id] = preempt.get(request.request_id, 0) + 1
-        return orig_preempt(request, *a, **k)
+        def _preempt_request(request, *a, **k):
+            self.preempt[request.request_id] = self.preempt.get(request.request_id, 0) + 1
+            return orig_preempt(request, *a, **k)
 
-    sched._preempt_request = _preempt_request
-    orig_schedule = sched.schedule
-    ext_of: dict[str, str] = {}
+        sched._preempt_request = _preempt_request
+        orig_schedule = sched.schedule
 
-    def _phase(iid: str) -> dict:
+        def schedule(*a, **k):
+            out = orig_schedule(*a, **k)
+            for iid in list(self.in_step_abort):
+                log = self.evict_log.get(iid) or []
+                if log and log[-1][0] == self.cur["step"] and log[-1][2] > 0:
+                    payload = getattr(out, "vtoken", None)
+                    ph = self._phase(iid)
+                    ph.update(step=self.cur["step"], moves_this_step=log[-1][2],
+                              payload_moves=0 if payload is None else int(payload.num_moves),
+                              truncated=None if payload is None else payload.truncate.get(iid))
+                    self.phase_at_abort[self.ext_of[iid]] = ph
+                    engine.abort_request([self.in_step_abort.pop(iid)])
+            return out
+
+        sched.schedule = schedule
+
+    def _phase(self, iid: str) -> dict:
+        sched = self.sched
         req = sched.requests.get(iid)
         if req is None:
             return dict(status="gone")
@@ -80,127 +91,68 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                     live=None if st is None else st.table.num_live,
                     logical=None if st is None else st.table.num_logical)
 
-    def schedule(*a, **k):
-        out = orig_schedule(*a, **k)
-        for iid in list(in_step_abort):
-            log = evict_log.get(iid) or []
-            if log and log[-1][0] == cur["step"] and log[-1][2] > 0:
-                payload = getattr(out, "vtoken", None)
-                ph = _phase(iid)
-                ph.update(step=cur["step"], moves_this_step=log[-1][2],
-                          payload_moves=0 if payload is None else int(payload.num_moves),
-                          truncated=None if payload is None else payload.truncate.get(iid))
-                phase_at_abort[ext_of[iid]] = ph
-                engine.abort_request([in_step_abort.pop(iid)])
-        return out
+    # ---- per group
+    def group_start(self, run) -> None:
+        self.stats0 = dict(self.sched.vt_stats.as_dict())
+        self.abort_at: dict[str, int] = {}
+        self.after_evict: set[str] = set()
+        self.cur["step"] = 0
 
-    sched.schedule = schedule
+    def added(self, run, req, iid) -> None:
+        self.ext_of[iid] = req["id"]
+        ab = req.get("abort")
+        if ab == "waiting":
+            self.phase_at_abort[req["id"]] = dict(self._phase(iid), step=run.step)
+            run.abort(req["id"])
+        elif ab == "prefill":
+            self.abort_at[req["id"]] = run.step + 1
+        elif ab == "after_eviction":
+            self.after_evict.add(req["id"])
+        elif ab == "in_repack":
+            self.in_step_abort[iid] = req["id"]
+        if "abort_after_steps" in req:  # here too, so that the phase at the abort is recorded
+            self.abort_at[req["id"]] = run.step + req["abort_after_steps"]
 
-    groups_out = []
-    for g in spec["groups"]:
-        free_start = pool.get_num_free_blocks()
-        stats0 = dict(sched.vt_stats.as_dict())
-        pending = sorted(g["requests"], key=lambda r: r.get("arrive_at_step", 0))
-        tokens: dict[str, list[int]] = {}
-        finish: dict[str, str] = {}
-        iid_of: dict[str, str] = {}
-        abort_at: dict[str, int] = {}
-        after_evict: set[str] = set()
-        step = 0
-        max_running = 0
-        t0 = time.perf_counter()
-        cur["step"] = 0
-        while pending or engine.has_unfinished_requests():
-            assert step < 20000, "group did not finish"
-            while pending and pending[0].get("arrive_at_step", 0) <= step:
-                r = pending.pop(0)
-                sp = SamplingParams(max_tokens=r.get("max_tokens", 64), temperature=0.0, ignore_eos=True,
-                                    detokenize=False, extra_args=r.get("extra_args") or None)
-                iid = engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
-                iid_of[r["id"]] = iid
-                ext_of[iid] = r["id"]
-                tokens[r["id"]] = []
-                ab = r.get("abort")
-                if ab == "waiting":
-                    phase_at_abort[r["id"]] = dict(_phase(iid), step=step)
-                    engine.abort_request([r["id"]])
-                    finish[r["id"]] = "abort"
-                elif ab == "prefill":
-                    abort_at[r["id"]] = step + 1
-                elif ab == "after_eviction":
-                    after_evict.add(r["id"])
-                elif ab == "in_repack":
-                    in_step_abort[iid] = r["id"]
-                if "abort_after_steps" in r:
-                    abort_at[r["id"]] = step + r["abort_after_steps"]
-            if not engine.has_unfinished_requests():
-                step += 1
-                continue
-            cur["step"] = step
-            for o in engine.step():
-                rid = o.request_id
-                if rid in finish and finish[rid] == "abort":
-                    continue
-                tokens[rid] = list(o.outputs[0].token_ids)
-                if o.finished:
-                    finish[rid] = str(o.outputs[0].finish_reason)
-            for ext, ph in phase_at_abort.items():  # aborted inside the step
-                if ph.get("step") == step and ext not in finish:
-                    finish[ext] = "abort"
-            max_running = max(max_running, len(sched.running))
-            step += 1
-            for rid in list(after_evict):
-                iid = iid_of[rid]
-                if evict_log.get(iid) and rid not in finish:
-                    phase_at_abort[rid] = dict(_phase(iid), step=step - 1,
-                                               evicted_on=evict_log[iid][-1][0])
-                    engine.abort_request([rid])
-                    finish[rid] = "abort"
-                    after_evict.discard(rid)
-            for rid, at in list(abort_at.items()):
-                if step >= at and rid not in finish:
-                    phase_at_abort[rid] = dict(_phase(iid_of[rid]), step=step)
-                    engine.abort_request([rid])
-                    finish[rid] = "abort"
-                    del abort_at[rid]
-        for _ in range(3):  # let the aborted requests' frees reach the pool
-            if engine.has_unfinished_requests():
-                engine.step()
+    def before_step(self, run) -> None:
+        self.cur["step"] = run.step
+
+    def after_step(self, run) -> None:
+        step = run.step  # the step just taken is step - 1
+        for ext, ph in self.phase_at_abort.items():  # aborted inside the step
+            if ph.get("step") == step - 1 and ext not in run.finish:
+                run.finish[ext] = "abort"
+        for rid in list(self.after_evict):
+            iid = run.iid_of[rid]
+            if self.evict_log.get(iid) and rid not in run.finish:
+                self.phase_at_abort[rid] = dict(self._phase(iid), step=step - 1,
+                                                evicted_on=self.evict_log[iid][-1][0])
+                run.abort(rid)
+                self.after_evict.discard(rid)
+        for rid, at in list(self.abort_at.items()):
+            if step >= at and rid not in run.finish:
+                self.phase_at_abort[rid] = dict(self._phase(run.iid_of[rid]), step=step)
+                run.abort(rid)
+                del self.abort_at[rid]
+
+    def group_done(self, run) -> dict[str, Any]:
+        sched = self.sched
         sched.vt_check_invariants()
         stats1 = sched.vt_stats.as_dict()
-        groups_out.append(dict(
-            name=g["name"], tokens=tokens, finish=finish, free_blocks_start=free_start,
-            free_blocks_end=pool.get_num_free_blocks(), num_blocks=pool.num_gpu_blocks, steps=step,
-            wall_s=time.perf_counter() - t0, max_running=max_running,
-            evictions={ext: evict_log.get(iid, []) for ext, iid in iid_of.items()},
-            preemptions={ext: preempt.get(iid, 0) for ext, iid in iid_of.items()},
-            phase_at_abort={k: v for k, v in phase_at_abort.items() if k in iid_of},
-            stats_delta={k: stats1[k] - stats0[k] for k in stats1 if isinstance(stats1[k], (int, float))},
+        ids = run.iid_of
+        return dict(
+            evictions={ext: self.evict_log.get(iid, []) for ext, iid in ids.items()},
+            preemptions={ext: self.preempt.get(iid, 0) for ext, iid in ids.items()},
+            phase_at_abort={k: v for k, v in self.phase_at_abort.items() if k in ids},
+            stats_delta={k: stats1[k] - self.stats0[k] for k in stats1 if isinstance(stats1[k], (int, float))},
             vt_states_left=len(sched._vt_states), vt_req_cfg_left=len(sched._vt_req_cfg),
             requests_left=len(sched.requests),
-        ))
-    return dict(groups=groups_out)
+        )
 
 
-def run_in_subprocess(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as d:
-        sp, op = Path(d) / "spec.json", Path(d) / "out.json"
-        sp.write_text(json.dumps(spec))
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "2")
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        p = subprocess.run([sys.executable, __file__, str(sp), str(op)], env=env, capture_output=True, text=True,
-                           timeout=timeout, start_new_session=True)
-        if p.returncode != 0 or not op.exists():
-            raise RuntimeError(f"engine run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
-        return json.loads(op.read_text())
-
-
-if __name__ == "__main__":
-    s = json.loads(open(sys.argv[1]).read())
-    res = run(s)
-    open(sys.argv[2], "w").write(json.dumps(res))
+def run_in_subprocess(spec: dict[str, Any], timeout: float = 600, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Run ``spec`` through the harness in a fresh process with :class:`FaultHooks`
+    (``env``: extra environment, e.g. ``execution_paths.path_env(...)``)."""
+    e = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    e.update(env or {})
+    return harness.run_in_subprocess(dict(spec, hooks=f"{Path(__file__).resolve()}:FaultHooks"), env=e,
+                                     timeout=timeout)

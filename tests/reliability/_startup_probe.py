@@ -18,7 +18,8 @@ runs each check of ``then`` in the same process (the front end that built the co
 A case with ``"compare_stock": true`` first builds the same engine args without the ``vtoken``
 key (stock) and records what vToken changed compared with it: ``changed_fields`` (``EngineArgs``
 attributes whose value after ``create_engine_config`` differs, ``additional_config`` aside) and
-``changed_env`` (environment variables whose value differs).
+``changed_env`` (environment variables whose value differs), and the resolved
+``cache_config.enable_prefix_caching`` of both (``prefix_caching``, ``stock_prefix_caching``).
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def main() -> int:
             kw = dict(c["engine"])
             kw.pop("additional_config", None)
             sargs = EngineArgs(**kw)
-            sargs.create_engine_config()
-            stock = ({k: repr(v) for k, v in vars(sargs).items()}, dict(os.environ))
+            scfg = sargs.create_engine_config()
+            stock = ({k: repr(v) for k, v in vars(sargs).items()}, dict(os.environ),
+                     scfg.cache_config.enable_prefix_caching)
         cap.records.clear()
         # (re)attach: vLLM's logging set-up clears the handlers of vllm.* child loggers
         lg = logging.getLogger("vllm.vtoken")
@@ -92,7 +94,7 @@ def main() -> int:
         args = None
         try:
             args = EngineArgs(**c["engine"])
-            args.create_engine_config()
+            vcfg = args.create_engine_config()
             r = dict(ok=True)
         except Exception as e:  # noqa: BLE001 - every failure is recorded and judged by the test
             r = _err(e)
@@ -102,6 +104,8 @@ def main() -> int:
             r["changed_fields"] = sorted(k for k in after if k != "additional_config" and after[k] != stock[0].get(k))
             r["changed_env"] = sorted(k for k in set(os.environ) | set(stock[1])
                                       if os.environ.get(k) != stock[1].get(k))
+            r["prefix_caching"] = vcfg.cache_config.enable_prefix_caching
+            r["stock_prefix_caching"] = stock[2]
         checks = []
         for chk in c.get("then", []) if r["ok"] else []:
             try:

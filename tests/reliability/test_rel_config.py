@@ -33,7 +33,7 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     "budget_null": ({}, {"budget": None}, ["vtoken.budget", "None", "valid integer"]),
     "policy_int": ({}, {"policy": 5}, ["vtoken.policy", "5", "valid string"]),
     "policy_args_str": ({}, {"policy_args": "window=3"}, ["vtoken.policy_args", "valid dictionary"]),
-    "log_stats_str": ({}, {"log_stats": "maybe"}, ["vtoken.log_stats", "valid boolean"]),
+    "log_stats_removed": ({}, {"log_stats": True}, ["vtoken.log_stats", "removed option", "allowed: ['budget'"]),
     "vtoken_list": ({}, [1, 2], ["additional_config.vtoken", "expected an object"]),
     "vtoken_bad_json": ({}, "{budget: 3", ["additional_config.vtoken", "not valid JSON"]),
     # negative or zero budgets and friends
@@ -51,7 +51,7 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     "sinks_over_budget": ({}, {"budget": 64, "sink_tokens": 65}, ["vtoken.sink_tokens", "exceeds vtoken.budget = 64"]),
     # unknown policies, keys, bad policy_args, bad mode
     "policy_unknown": ({}, {"policy": "lru"}, ["vtoken.policy", "'lru'", "unknown policy", "h2o", "tova"]),
-    "key_unknown": ({}, {"budgt": 64}, ["vtoken.budgt", "unknown key"]),
+    "key_unknown": ({}, {"budgt": 64}, ["vtoken.budgt = 64", "unknown key", "allowed: ['budget', 'budget_ratio'"]),
     "policy_args_unknown": ({}, {"policy": "h2o", "policy_args": {"window": 4}},
                             ["vtoken.policy_args.window", "unknown argument", "'h2o'", "allowed"]),
     "policy_args_bad_value": ({}, {"policy": "scissorhands", "policy_args": {"window": -1}},

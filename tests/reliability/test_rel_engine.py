@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from _engine_runner import run_in_subprocess
+from execution_paths import EXPECTED, path_env
 
 pytestmark = pytest.mark.engine
 
@@ -80,16 +81,17 @@ ABORTED = {"a-evict", "a-repack", "a-prefill", "a-decode-off", "a-wait"}
 GROUPS = {"mix": MIX, "faults": FAULTS, "storm": STORM}
 
 
-def _run(spec: dict, name: str) -> dict:
-    """One engine run; ``VTOKEN_REL_CACHE=<dir>`` (development only) reuses a stored result of the same spec."""
+def _run(spec: dict, name: str, path_name: str = "v1-sync") -> dict:
+    """One engine run on an execution path; ``VTOKEN_REL_CACHE=<dir>`` (development only) reuses a
+    stored result of the same spec."""
     cache = os.environ.get("VTOKEN_REL_CACHE")
     if not cache:
-        return run_in_subprocess(spec)
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+        return run_in_subprocess(spec, env=path_env(path_name))
+    key = hashlib.sha256(json.dumps([spec, path_name], sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache) / f"{name}-{key}.json"
     if path.exists():
         return json.loads(path.read_text())
-    out = run_in_subprocess(spec)
+    out = run_in_subprocess(spec, env=path_env(path_name))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out
@@ -191,3 +193,58 @@ def test_preemption_storm(batch_run, solo_run):
             assert g["tokens"][rid] == solo_run[rid], f"{rid} (preempted {pre[rid]}x)"
         # eviction on and preempted: re-prefilled and evicted again; block accounting only
         # (VTOKEN_CHECK per step, the pool count in test_pool_back_to_start_and_nothing_tracked)
+
+
+# ---------------------------------------------------------------------- vLLM's default path
+@pytest.fixture(scope="module")
+def async_runs(tiny_path):
+    """The same groups and solo runs on Model Runner V2 with async scheduling (vLLM's GPU default)."""
+    spec = dict(engine=_engine(tiny_path), vtoken=VT, groups=[dict(name=k, requests=v) for k, v in GROUPS.items()])
+    out = _run(spec, "batch", "mrv2-async")
+    assert out["paths"] == EXPECTED["mrv2-async"]
+    batch = {g["name"]: g for g in out["groups"]}
+    solo = [dict(r, arrive_at_step=0) for reqs in GROUPS.values() for r in reqs if r["id"] not in ABORTED]
+    for r in solo:
+        r.pop("abort", None)
+        r.pop("abort_after_steps", None)
+    sout = _run(dict(engine=_engine(tiny_path), vtoken=VT, groups=[dict(name=r["id"], requests=[r]) for r in solo]),
+                "solo", "mrv2-async")
+    solo_tokens = {}
+    for g in sout["groups"]:
+        assert g["preemptions"][g["name"]] == 0
+        assert g["free_blocks_end"] == g["free_blocks_start"] == g["num_blocks"] - 1
+        solo_tokens[g["name"]] = g["tokens"][g["name"]]
+    return batch, solo_tokens
+
+
+def test_mrv2_async_aborts_storm_and_isolation(async_runs):
+    """On MRV2 + async scheduling: every group returns the pool to its start and tracks nothing;
+    aborts at every phase (waiting, mid chunked prefill, right after an eviction, inside the step
+    whose schedule() planned moves, mid-decode) lose nothing; the survivors, the mixed batch and
+    the storm's never-preempted and eviction-off requests equal their solo runs on the same path;
+    the storm preempts both kinds. (Exact step numbers differ from the sync path: a scoring policy
+    first evicts at the second decode step, see vtoken/score_lag.py.)"""
+    batch, solo = async_runs
+    for name, g in batch.items():
+        assert g["free_blocks_end"] == g["free_blocks_start"] == g["num_blocks"] - 1, name
+        assert g["vt_states_left"] == 0 and g["vt_req_cfg_left"] == 0, name
+    f = batch["faults"]
+    for rid in ABORTED:
+        assert f["finish"][rid] == "abort", rid
+    assert f["phase_at_abort"]["a-wait"]["status"] == "WAITING" and f["tokens"]["a-wait"] == []
+    p = f["phase_at_abort"]["a-prefill"]
+    assert 0 < p["num_computed_tokens"] < p["num_prompt_tokens"] == 400 and p["num_output_tokens"] == 0
+    assert f["phase_at_abort"]["a-repack"]["moves_this_step"] > 0
+    for rid in ("f-off", "f-h2o", "f-tova"):
+        assert f["finish"][rid] == "length" and f["tokens"][rid] == solo[rid], rid
+    for r in MIX:
+        assert batch["mix"]["tokens"][r["id"]] == solo[r["id"]], r["id"]
+    g = batch["storm"]
+    pre = g["preemptions"]
+    assert any(pre[r["id"]] for r in STORM if r["id"].startswith("s-off")), pre
+    assert any(pre[r["id"]] for r in STORM if r["id"].startswith("s-on")), pre
+    for r in STORM:
+        rid = r["id"]
+        assert g["finish"][rid] == "length" and len(g["tokens"][rid]) == r["max_tokens"], rid
+        if rid.startswith("s-off") or pre[rid] == 0:
+            assert g["tokens"][rid] == solo[rid], f"{rid} (preempted {pre[rid]}x)"

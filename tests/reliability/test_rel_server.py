@@ -55,7 +55,7 @@ BAD = [
     ({"vtoken_policy": 3}, None, ["vtoken_policy", "valid string"]),
     ({"vtoken_enable": "maybe"}, None, ["vtoken_enable"]),
     ({"vtoken_enable": 2}, None, ["vtoken_enable"]),
-    ({"vtoken_bugdet": 40}, None, ["vtoken_bugdet", "unknown vToken field"]),
+    ({"vtoken_bugdet": 40}, None, ["vllm_xargs.vtoken_bugdet = 40: unknown key; allowed: ['vtoken_budget'"]),
     ({"vtoken_budget": [40]}, None, ["vllm_xargs"]),
     (None, "x" * 3000, ["maximum context length", "2048"]),  # byte-level tokenizer: > max_model_len tokens
     ({"vtoken_budget": 40}, "y" * 4000, ["maximum context length", "2048"]),

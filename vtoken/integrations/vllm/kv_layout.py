@@ -12,8 +12,10 @@ The maps are **probed**, not hard-coded: once per (dtype, isa, block_size, head_
 we write known values through the upstream packing op
 (``vllm._custom_ops.cpu_attn_reshape_and_cache``, patches/ entry
 ``vllm._custom_ops.cpu_attn_reshape_and_cache``) into a scratch block and read back
-where each (offset, dim) landed (``tests/integration/test_kv_layout.py`` round-trips
-random tokens through the upstream op for each probed layout).
+where each (offset, dim) landed. There is no separate self-check at start-up: the probe
+itself reads the positions back through the real packing op, and
+``tests/integration/test_kv_layout.py`` checks moves and key reads bit-exact against random
+tokens written by the upstream op, for every dtype/ISA pair the machine supports.
 
 The worker reaches a backend's layout only through the :class:`KVLayout` interface
 (move tokens, read keys); :class:`CPUKVLayout` implements it for the probed CPU layout.

@@ -19,6 +19,10 @@ name                                kind     meaning
 ``vtoken:repack_seconds_total``     counter  scheduler time spent choosing victims and planning
 ``vtoken:preemption_resets_total``  counter  vToken states dropped because vLLM preempted a request
 ``vtoken:request_faults_total``     counter  requests whose eviction was turned off by a fault confined to them
+``vtoken:tokens_above_budget``      gauge    pressure pacing: live tokens kept above budget
+``vtoken:pressure_events_total``    counter  pressure pacing: steps where the pool was short
+``vtoken:pressure_evictions_total`` counter  pressure pacing: eviction events under pressure
+``vtoken:shortfalls_covered_total`` counter  pressure pacing: short steps fully covered (preemptions avoided)
 ==================================  =======  =================================================
 
 Gauges are the state after the last ``schedule()`` (and after the engine goes idle: the
@@ -60,7 +64,7 @@ from prometheus_client import values as _prom_values
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
-__all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS"]
+__all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS", "UNITS", "metrics_table_markdown"]
 
 #: gauge name -> (VTokenStats field, help)
 GAUGES: dict[str, tuple[str, str]] = {
@@ -71,6 +75,8 @@ GAUGES: dict[str, tuple[str, str]] = {
         "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions."),
     "vtoken:dense_blocks": ("dense_blocks", "Sum over tracked requests of ceil(live_tokens / block_size)."),
     "vtoken:evicting_requests": ("num_evicting_requests", "Tracked requests that have evicted at least one token."),
+    "vtoken:tokens_above_budget": ("tokens_above_budget",
+                                   "Pressure pacing: live tokens kept above the requests' budgets (no pressure)."),
 }
 #: counter name (prometheus_client appends ``_total``) -> (VTokenStats field, help)
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -80,9 +86,52 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:evictions": ("evictions", "Eviction events (one per request and step)."),
     "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves."),
     "vtoken:preemption_resets": ("preemption_resets", "vToken request states dropped because of preemption."),
+    "vtoken:pressure_events": ("pressure_events",
+                               "Pressure pacing: steps where a step's block demand plus the watermark exceeded the free blocks."),
+    "vtoken:pressure_evictions": ("pressure_evictions", "Pressure pacing: eviction events decided under pressure."),
+    "vtoken:shortfalls_covered": ("shortfalls_covered",
+                                  "Pressure pacing: short steps whose whole shortfall eviction freed, before vLLM "
+                                  "had to preempt (preemptions avoided)."),
     "vtoken:request_faults": ("request_faults",
                               "Requests whose eviction was turned off by a fault confined to them (see the log)."),
 }
+
+#: unit of each metric (by the name in GAUGES / COUNTERS)
+UNITS: dict[str, str] = {
+    "vtoken:live_tokens": "tokens",
+    "vtoken:logical_tokens": "tokens",
+    "vtoken:retained_blocks": "blocks",
+    "vtoken:naive_retained_blocks": "blocks",
+    "vtoken:dense_blocks": "blocks",
+    "vtoken:evicting_requests": "requests",
+    "vtoken:evicted_tokens": "tokens",
+    "vtoken:moved_tokens": "tokens",
+    "vtoken:freed_blocks": "blocks",
+    "vtoken:evictions": "events",
+    "vtoken:repack_seconds": "seconds",
+    "vtoken:preemption_resets": "requests",
+    "vtoken:request_faults": "requests",
+    "vtoken:tokens_above_budget": "tokens",
+    "vtoken:pressure_events": "steps",
+    "vtoken:pressure_evictions": "events",
+    "vtoken:shortfalls_covered": "steps",
+}
+
+
+def metrics_table_markdown() -> str:
+    """The README's table of every ``vtoken:`` metric: exported name, type, unit, meaning.
+
+    Generated from :data:`GAUGES`, :data:`COUNTERS` and :data:`UNITS` (counters are exported
+    with prometheus_client's ``_total`` suffix); every metric has the labels ``model_name``
+    and ``engine``.
+    """
+    rows = ["| metric | type | unit | meaning |", "|---|---|---|---|"]
+    for name, (_, doc) in GAUGES.items():
+        rows.append(f"| `{name}` | gauge | {UNITS[name]} | {doc} |")
+    for name, (_, doc) in COUNTERS.items():
+        rows.append(f"| `{name}_total` | counter | {UNITS[name]} | {doc} |")
+    return "\n".join(rows) + "\n"
+
 
 _LABELS = ["model_name", "engine"]
 # One family per name per process (a second scheduler in the same process reuses them).

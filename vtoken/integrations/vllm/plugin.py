@@ -151,7 +151,9 @@ def _wrap_sampling_params_verify() -> None:
             known = {"vtoken_enable", "vtoken_budget", "vtoken_policy"}
             unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("vtoken_") and k not in known)
             if unknown:
-                raise ValueError(f"vllm_xargs.{unknown[0]}: unknown vToken field; allowed: {sorted(known)}")
+                # the start-up format (vtoken.config): "<where>.<key> = <value>: <problem>; allowed: ..."
+                raise ValueError(f"vllm_xargs.{unknown[0]} = {extra[unknown[0]]!r}: unknown key; "
+                                 f"allowed: {sorted(known)}")
             try:
                 frontend.check_request(extra)  # the request's effective config: overrides applied to the engine's
             except VTokenConfigError as e:

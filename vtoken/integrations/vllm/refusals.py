@@ -13,7 +13,7 @@ Start-up checks (called by the plugin's ``create_engine_config`` wrapper, in the
 process, before any weights load): :func:`check_engine_args` on the ``EngineArgs`` before
 vLLM builds its config, :func:`check_model` and :func:`check_kv_cache_dtype` on the built
 ``VllmConfig``. Errors are :class:`~vtoken.config.VTokenConfigError` (a ``ValueError``):
-``vToken does not support <option> = <value> yet: <reason>[; allowed: ...]``.
+``<option> = <value>: vToken does not support it yet (<reason>[; allowed: ...])``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,14 @@ REFUSALS: tuple[Refusal, ...] = (
             "speculative decoding: drafters address the KV cache by logical position"),
     Refusal("pipeline_parallel", "--pipeline-parallel-size > 1", "start-up",
             "scores would need a cross-stage exchange"),
+    Refusal("decode_context_parallel", "--decode-context-parallel-size > 1", "start-up",
+            "decode context parallelism shards each request's KV cache by token across ranks (interleaved "
+            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
+            "exchange"),
+    Refusal("prefill_context_parallel", "--prefill-context-parallel-size > 1", "start-up",
+            "prefill context parallelism shards each request's KV cache by token across ranks (interleaved "
+            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
+            "exchange"),
     Refusal("kv_transfer", "--kv-transfer-config", "start-up",
             "KV connectors assume positionally stable block tables"),
     Refusal("kv_events", "--kv-events-config", "start-up",
@@ -105,18 +113,18 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
     """Raise the refusal ``key`` of :data:`REFUSALS` for ``value``.
 
     Raises:
-        VTokenConfigError: ``vToken does not support <option> = <value> yet: <reason>[ (<detail>)]``
-            for an option; ``vToken does not support model <value> yet: <feature> (model feature)[,
-            <detail>]: <reason>`` for a model feature.
+        VTokenConfigError: ``<option> = <value>: vToken does not support it yet (<reason>[; <detail>])``
+            for an option; ``--model = <value>: vToken does not support it yet (<feature>[; <detail>]:
+            <reason>)`` for a model feature (the one error format of ``vtoken.config``).
         KeyError: ``key`` is not in the table (a refusal the README would not list).
     """
     r = _BY_KEY[key]
-    extra = f" ({detail})" if detail else ""
+    # the one error format (vtoken.config): "<where> = <value>: <problem>"
+    extra = f"; {detail}" if detail else ""
     if r.option.startswith("--"):
         option = r.option.split(" ", 1)[0]
-        raise VTokenConfigError(f"vToken does not support {option} = {value!r} yet: {r.reason}{extra}")
-    extra = f", {detail}" if detail else ""
-    raise VTokenConfigError(f"vToken does not support model {value!r} yet: {r.option}{extra}: {r.reason}")
+        raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
+    raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")
 
 
 # ---------------------------------------------------------------------- start-up checks
@@ -130,6 +138,10 @@ def check_engine_args(args) -> None:
         refuse("speculative", args.speculative_config)
     if (args.pipeline_parallel_size or 1) > 1:
         refuse("pipeline_parallel", args.pipeline_parallel_size)
+    if (getattr(args, "decode_context_parallel_size", 1) or 1) > 1:
+        refuse("decode_context_parallel", args.decode_context_parallel_size)
+    if (getattr(args, "prefill_context_parallel_size", 1) or 1) > 1:
+        refuse("prefill_context_parallel", args.prefill_context_parallel_size)
     if args.kv_transfer_config is not None:
         refuse("kv_transfer", "set")
     if getattr(args, "kv_events_config", None) is not None:

@@ -47,6 +47,11 @@ class VTokenCPUModelRunner(CPUModelRunner):
 
     def _update_states(self, scheduler_output):
         p = getattr(scheduler_output, "vtoken", None)
+        if self._vt.test_dir:  # test hook: finished requests' live keys, before this step's moves
+            for rid in scheduler_output.finished_req_ids:
+                rs = self.requests.get(rid)
+                if rs is not None:
+                    self._vt.dump_kv_digest(rid, list(rs.block_ids[0]), rs.num_computed_tokens - self._vt.offsets.get(rid, 0))
         self._vt.begin_step(p, scheduler_output.finished_req_ids)
         if p is not None:
             for rid, keep in p.truncate.items():

@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 
 from vtoken.integrations.vllm.runner_v1 import cpu_layout_for
 from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
@@ -38,7 +38,7 @@ from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
 __all__ = ["VTokenCPUModelRunnerV2"]
 
 
-class VTokenCPUModelRunnerV2(CPUModelRunnerV2):
+class VTokenCPUModelRunnerV2(CPUModelRunner):
     """Model Runner V2 ``CPUModelRunner`` with vToken (module docstring)."""
 
     def __init__(self, *args, **kwargs):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from typing import Any, Optional
@@ -54,6 +55,7 @@ from vtoken.integrations.vllm.payload import StepPayload
 from vtoken.integrations.vllm.state import RequestState, VTokenStats, cdiv
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
 from vtoken.repack import NaiveEvictCounter
+from vtoken.pacing import Candidate, plan_pressure_evictions
 from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_stats
 from vtoken.token_table import TokenTable
 
@@ -196,6 +198,58 @@ class VTokenSchedulerMixin:
         self._vt_states[rid] = st
         return st
 
+    def _vt_pressure_plan(self, eligible: list[tuple[int, Any, RequestState]]) -> dict[str, int]:
+        """Pressure pacing (:mod:`vtoken.pacing`): tokens to evict per request this step.
+
+        Block demand of this step: each running request's blocks for its live tokens plus the
+        tokens it computes now, beyond what it holds; plus the first waiting request's prompt
+        (when a sequence slot is free); plus the watermark. A demand above the free blocks is
+        the shortfall; it is covered from the requests with the most reclaimable blocks.
+        """
+        bs = self._vt_bs
+        pool = self.kv_cache_manager.block_pool
+        sc = self.scheduler_config
+        cap = sc.max_num_batched_tokens
+        demand = 0
+        for req in self.running:
+            rid = req.request_id
+            held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            st = self._vt_states.get(rid)
+            placeholders = getattr(req, "num_output_placeholders", 0)
+            new = max(0, min(req.num_tokens + placeholders - req.num_computed_tokens, cap))
+            live = st.table.num_live if st is not None else req.num_computed_tokens
+            demand += max(0, cdiv(live + new, bs) - held)
+        if len(self.running) < sc.max_num_seqs:
+            head = next(iter(self.waiting), None)
+            if head is not None:
+                demand += cdiv(min(head.num_tokens - head.num_computed_tokens, cap), bs)
+        cfg = self.vt_cfg
+        watermark = max(cfg.watermark_blocks, math.ceil(cfg.watermark_fraction * pool.num_gpu_blocks))
+        shortfall = demand + watermark - pool.get_num_free_blocks()
+        above = sum(max(0, st.table.num_live - st.budget) for _, _, st in eligible)
+        self.vt_stats.tokens_above_budget = above
+        if shortfall <= 0:
+            return {}
+        # The floor is the budget or the protected prefix (prefix caching), whichever is larger:
+        # protected positions are never evicted, so they are never counted as reclaimable.
+        cands = [Candidate(req.request_id, order, st.table.num_live, len(self._vt_mgr.req_to_blocks.get(req.request_id, ())),
+                           max(st.budget, st.protected)) for order, req, st in eligible]
+        plan, freed = plan_pressure_evictions(cands, shortfall, bs)
+        s = self.vt_stats
+        s.pressure_events += 1
+        s.shortfalls_covered += freed >= shortfall
+        s.pressure_evictions += len(plan)
+        return plan
+
+    @staticmethod
+    def _vt_done_in_flight(req) -> bool:
+        """Under async scheduling: the in-flight steps already produce the request's last token
+        (``max_tokens`` reached once their outputs land), so it gets no further step to evict for."""
+        placeholders = getattr(req, "num_output_placeholders", 0)
+        max_tokens = getattr(req, "max_tokens", None)
+        return bool(placeholders) and max_tokens is not None and (
+            req.num_tokens + placeholders - req.num_prompt_tokens >= max_tokens)
+
     def _vt_fault(self, rid: str, st: RequestState, exc: BaseException) -> None:
         """Turn eviction off for one request after a fault confined to it; count and log it."""
         st.faulted = True
@@ -209,20 +263,34 @@ class VTokenSchedulerMixin:
         srcs: list[np.ndarray] = []
         dsts: list[np.ndarray] = []
         t0 = time.perf_counter()
-        for req in self.running:
+        eligible: list[tuple[int, Any, RequestState]] = []
+        for order, req in enumerate(self.running):
             st = self._vt_states.get(req.request_id)  # made when the request was first scheduled
             if st is None or not st.decoding or st.faulted:
                 continue
             rid = req.request_id
+            if self._vt_done_in_flight(req):
+                continue  # async: its last token is in flight; it will not be scheduled again
             try:
                 self._vt_fold_scores(st, st.steps)
-                if st.decode_steps + 1 < st.first_evict:
-                    continue
-                k = num_to_evict(st.table.num_live, st.budget, st.slack)
-                if k > 0:
-                    self._vt_evict(rid, st, k, payload, srcs, dsts)
             except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
                 self._vt_fault(rid, st, e)
+                continue
+            if st.decode_steps + 1 >= st.first_evict:
+                eligible.append((order, req, st))
+        if self.vt_cfg.pacing == "pressure":
+            plan = self._vt_pressure_plan(eligible)
+        else:
+            plan = {req.request_id: num_to_evict(st.table.num_live, st.budget, st.slack) for _, req, st in eligible}
+        for _, req, st in eligible:
+            k = plan.get(req.request_id, 0)
+            if k <= 0:
+                continue
+            try:
+                st.evict_log.append((st.decode_steps + 1, k))
+                self._vt_evict(req.request_id, st, k, payload, srcs, dsts)
+            except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
+                self._vt_fault(req.request_id, st, e)
         if srcs:
             payload.src = np.concatenate(srcs)
             payload.dst = np.concatenate(dsts)

@@ -17,7 +17,70 @@ import torch
 from vtoken.integrations.vllm.kv_layout import KVLayout
 from vtoken.policies.base import AttentionNeed
 
-__all__ = ["StepScores"]
+__all__ = ["StepScores", "prefill_stats", "TILE_ELEMS"]
+
+#: Most logits one query tile of the prefill column-sum path holds (``Hq * rows * n``): 4M
+#: elements (16 MiB in float32); the softmax and its float64 copy add about three more.
+TILE_ELEMS = 1 << 22
+
+
+def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: bool,
+                  tile_elems: int = TILE_ELEMS, dtype: torch.dtype = torch.float32,
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Causal attention probabilities of a prefill chunk, reduced to column sums (and last row).
+
+    ``probs[i, j] = mean over query heads h of softmax_j(q[i, h] . k[h // G, j] * scale)``, with
+    query row ``i`` at key index ``n - ql + i`` (the chunk's rows are the last ``ql`` of the
+    ``n`` keys) and keys after it masked; ``G = Hq / Hkv`` (grouped-query attention). Computed
+    over tiles of ``T = max(1, tile_elems // (Hq * n))`` query rows, so the extra memory is
+    a few ``[Hq, T, n]`` temporaries (float32 logits and probabilities, float64 probabilities
+    for the head mean: about ``4 * tile_elems`` float32-equivalents while ``Hq * n <= tile_elems``,
+    ``4 * Hq * n`` beyond),
+    never the ``[Hq, ql, n]`` of the whole chunk: linear in the prompt length, not quadratic.
+    Logits and softmax are computed in ``dtype`` (float32 in the worker), the head mean and
+    the column sums in float64. The tiling itself is exact: with ``dtype=float64`` any two
+    tile sizes agree to 1e-12 (tests). In float32 they agree to float32 rounding (~1e-7
+    relative), not bit for bit, because the CPU matmul's blocking, and so its rounding,
+    depends on the number of query rows in the product; the former untiled path differs
+    from any tiling by the same amount.
+
+    Args:
+        q: ``[ql, Hq, hd]`` post-RoPE queries of the chunk (any float dtype; computed in float32).
+        k: float32 ``[Hkv, n, hd]`` keys of the request's slots ``0..n-1``, ``n >= ql``.
+        scale: the attention softmax scale.
+        want_last: also return the last query row's probabilities.
+        tile_elems: logits elements per tile (tests use small values to force many tiles).
+        dtype: dtype of the logits and softmax (float32 in the worker; float64 in tests).
+
+    Returns:
+        ``(col_sum, last_row)``: float64 ``[n]`` (sum over the ``ql`` rows) and float64 ``[n]``
+        or None.
+
+    Raises:
+        ValueError: ``Hq`` not a multiple of ``Hkv``, or ``n < ql``.
+    """
+    ql, Hq, hd = q.shape
+    Hkv, n, _ = k.shape
+    if Hq % Hkv or n < ql:
+        raise ValueError(f"prefill_stats: Hq={Hq} must be a multiple of Hkv={Hkv} and n={n} >= ql={ql}")
+    kt = k.to(dtype).repeat_interleave(Hq // Hkv, dim=0).transpose(1, 2)  # [Hq, hd, n]
+    qh = q.permute(1, 0, 2).to(dtype)  # [Hq, ql, hd]
+    T = max(1, tile_elems // (Hq * n))
+    keys = torch.arange(n).view(1, 1, n)
+    col = torch.zeros(n, dtype=torch.float64)
+    last = None
+    for t0 in range(0, ql, T):
+        t1 = min(ql, t0 + T)
+        logits = torch.bmm(qh[:, t0:t1], kt) * scale  # [Hq, t, n]
+        qpos = torch.arange(n - ql + t0, n - ql + t1).view(1, t1 - t0, 1)
+        logits.masked_fill_(keys > qpos, float("-inf"))
+        # head mean in float64 (a float32 mean over dim 0 rounds differently with the tile's shape)
+        probs = torch.softmax(logits, dim=-1).double().mean(dim=0)  # [t, n]
+        del logits
+        col += probs.sum(dim=0)
+        if want_last and t1 == ql:
+            last = probs[-1].clone()
+    return col, last
 
 
 class StepScores:
@@ -31,19 +94,23 @@ class StepScores:
     Rows that need one query row (decode steps, and prefill rows of policies that only
     want the last row) are scored together in one batched gather + einsum per layer
     (keys padded to the longest row and masked); prefill rows that need column sums over
-    several query rows take a per-row causal path. The gather indices are built once
-    per step, at the first layer.
+    several query rows take a per-row causal path tiled over query rows
+    (:func:`prefill_stats`: extra memory linear in the prompt length). The gather indices
+    are built once per step, at the first layer.
 
     Args:
         rows: ``(batch row, req_id, AttentionNeed value)`` of the rows to score; the batch
             row indexes the attention metadata (``query_start_loc``, ``seq_lens``, ``block_table``).
+        tile_elems: see :func:`prefill_stats`; default: the module's :data:`TILE_ELEMS`.
     """
 
-    def __init__(self, rows: list[tuple[int, str, int]]):
+    def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None):
         self.rows = rows
+        self.tile_elems = TILE_ELEMS if tile_elems is None else tile_elems
         self.col: dict[str, torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
         self.num_layers = 0
+        self.num_heads = 0  #: query heads this rank scored per layer (``impl.num_heads``: Hq / TP)
         self._plan: Optional[dict[str, Any]] = None
         self._single_acc: Optional[torch.Tensor] = None  # float64 [R, max_n]
 
@@ -86,6 +153,10 @@ class StepScores:
         plan = self._plan
         self.num_layers += 1
         Hq, hd, Hkv = impl.num_heads, impl.head_size, impl.num_kv_heads
+        if self.num_heads and Hq != self.num_heads:
+            raise ValueError(f"vToken scoring: layer with {Hq} query heads after layers with {self.num_heads}; "
+                             "the tensor-parallel mean needs one head count per rank")
+        self.num_heads = Hq
         q_all = query.view(-1, Hq, hd)
         if plan["singles"]:
             k = layout.gather_keys_batched(kv_cache, plan["blocks"], plan["offsets"])  # [R, Hkv, max_n, hd]
@@ -96,18 +167,11 @@ class StepScores:
             probs = torch.softmax(logits, dim=-1).mean(dim=(1, 2)).double()  # [R, max_n]
             self._single_acc = probs if self._single_acc is None else self._single_acc + probs
         for row, rid, need, n, qs, qe in plan["multis"]:
-            q = q_all[qs:qe]
-            ql = qe - qs
             k = layout.gather_keys(kv_cache, meta.block_table[row].to(torch.int64), n)  # [Hkv, n, hd]
-            k = k.repeat_interleave(Hq // Hkv, dim=0)  # [Hq, n, hd]
-            logits = torch.bmm(q.permute(1, 0, 2).float(), k.transpose(1, 2)) * impl.scale  # [Hq, ql, n]
-            qpos = torch.arange(n - ql, n).view(1, ql, 1)  # query i sits at physical index n - ql + i
-            logits = logits.masked_fill(torch.arange(n).view(1, 1, n) > qpos, float("-inf"))
-            probs = torch.softmax(logits, dim=-1).mean(dim=0).double()  # [ql, n]
-            c = probs.sum(dim=0)
+            c, r = prefill_stats(q_all[qs:qe], k, impl.scale, bool(need & AttentionNeed.LAST_ROW.value),
+                                 self.tile_elems)
             self.col[rid] = c if rid not in self.col else self.col[rid] + c
-            if need & AttentionNeed.LAST_ROW.value:
-                r = probs[-1]
+            if r is not None:
                 self.last[rid] = r if rid not in self.last else self.last[rid] + r
 
     def result(self) -> dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]:

@@ -82,6 +82,8 @@ class RequestState:
     full_peak_blocks: int = 0
     evicted: int = 0
     moved: int = 0
+    #: (decode step, tokens asked of the policy) of every eviction: the oracle replays it
+    evict_log: list = field(default_factory=list)
 
     def lifetime(self, req_id: str) -> dict[str, Any]:
         """The finished request's lifetime figures (blocks are time averages over its steps)."""
@@ -93,6 +95,7 @@ class RequestState:
             full_avg_blocks=self.full_block_steps / n, full_peak_blocks=self.full_peak_blocks,
             evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
             protected=self.protected, cached_tokens=self.cached_tokens,
+            evict_log=[list(e) for e in self.evict_log],
         )
 
 
@@ -110,6 +113,10 @@ class VTokenStats:
     #: prefix caching: blocks of finished requests added to the prefix cache by vToken
     #: (blocks that stayed clean but were kept out of the cache while the request could evict)
     prefix_blocks_cached_at_finish: int = 0
+    pressure_events: int = 0  # steps where the pool was short (pressure pacing)
+    pressure_evictions: int = 0  # eviction events decided under pressure
+    shortfalls_covered: int = 0  # short steps fully covered by eviction (preemptions avoided)
+    tokens_above_budget: int = 0  # gauge: tokens kept above budget because there was no pressure
     #: blocks freed by an eviction and handed to a request in the same schedule() (counted
     #: only with VTOKEN_CHECK=1; shows the tests exercise the block-reuse ordering)
     freed_blocks_reused_same_step: int = 0

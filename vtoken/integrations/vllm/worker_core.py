@@ -12,7 +12,10 @@ their runner's seams. Per step, before any KV write of the step:
    :meth:`batch_offsets` while positions stay logical (RoPE);
 3. :meth:`start_scoring` arms :class:`~vtoken.integrations.vllm.scoring.StepScores`, which the
    attention wrapper (:meth:`wrap_attention`) fills layer by layer;
-4. :meth:`attach_scores` hangs the statistics on the step's ``ModelRunnerOutput`` (directly,
+4. :meth:`take_scores` collects them; under tensor parallelism (each rank scores only its own
+   ``Hq / TP`` query heads) it sums them over the TP group with one all-reduce, so every rank
+   holds the mean over **all** query heads and layers (:meth:`_reduce_over_tp`);
+5. :meth:`attach_scores` hangs the statistics on the step's ``ModelRunnerOutput`` (directly,
    or through the async output object that produces it).
 
 The backend's KV layout is reached only through
@@ -23,7 +26,10 @@ factory given at construction).
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
+import time
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -56,6 +62,12 @@ class VTokenWorkerCore:
         self.score_reqs: dict[str, int] = {}  # req_id -> AttentionNeed value, this step
         self.step: Optional[StepScores] = None
         self._caches: Optional[list[tuple[torch.Tensor, KVLayout]]] = None
+        self._tp = None  # vLLM's TP GroupCoordinator, looked up on the first scored step
+        #: all-reduces issued and float64 bytes they carried (this rank; 0 when TP == 1)
+        self.reduce_calls = 0
+        self.reduce_bytes = 0
+        #: test hook (docs/scaling.md): ``VTOKEN_TEST_WORKER_DIR`` -> per-rank KV digests and all-reduce log
+        self.test_dir = os.environ.get("VTOKEN_TEST_WORKER_DIR") or None
 
     # -------------------------------------------------------------- set-up
     def check_layers(self, model_name: str) -> None:
@@ -151,11 +163,102 @@ class VTokenWorkerCore:
                 self.step = StepScores(rows)
 
     def take_scores(self) -> Optional[ScoreMap]:
-        """The step's statistics (req_id -> (col_sum, last_row)), or None; disarms :attr:`step`."""
+        """The step's statistics (req_id -> (col_sum, last_row)), or None; disarms :attr:`step`.
+
+        Under tensor parallelism the statistics are reduced over the TP group first
+        (:meth:`_reduce_over_tp`); whether that collective runs depends only on the step's
+        payload (``payload.scores``, identical on every rank), never on local state.
+        """
         st, self.step = self.step, None
+        wanted, self.score_reqs = self.score_reqs, {}
+        if wanted and self._tp_world() > 1:
+            return self._reduce_over_tp(st) or None
         if st is None:
             return None
         return st.result() or None
+
+    # -------------------------------------------------------------- tensor parallel
+    def _tp_world(self) -> int:
+        """World size of vLLM's tensor-parallel group (1 when no group is set up, e.g. unit tests)."""
+        if self._tp is None:
+            from vllm.distributed import parallel_state
+
+            if not parallel_state.model_parallel_is_initialized():
+                return 1
+            self._tp = parallel_state.get_tp_group()
+        return self._tp.world_size
+
+    def _reduce_over_tp(self, st: Optional[StepScores]) -> ScoreMap:
+        """Sum the step's statistics over the TP group: the mean over all query heads and layers.
+
+        Each rank's :class:`StepScores` holds, per request, the mean over its own ``h_r``
+        query heads (vLLM partitions query heads across ranks, ``h_r = Hq / TP``, even when
+        KV heads are replicated) and over layers. One flat float64 tensor is packed in a
+        deterministic order, identical on every rank because it follows the step's batch
+        order and physical lengths, which come from the same ``SchedulerOutput``:
+        ``[h_r, h_r * s_1, h_r * s_2, ...]`` with, per scored row in batch order, its
+        ``col_sum`` then its ``last_row`` (where asked). After ``all_reduce(SUM)`` on the
+        group's CPU process group (gloo: float64, and host arrays stay on the host), the
+        first element is ``sum_r h_r = Hq`` and each statistic is divided by it:
+        ``sum_r h_r * mean_r / Hq`` = the mean over all ``Hq`` heads (and the ``L`` layers,
+        already divided), as :mod:`vtoken.policies.base` defines. Equal to the TP=1 value
+        up to float reduction order.
+
+        Returns:
+            req_id -> (col_sum, last_row), float64 ``[num_live]``.
+        """
+        res = st.result() if st is not None else {}
+        order = [rid for _, rid, _ in (st.rows if st is not None else []) if rid in res]
+        h = float(st.num_heads) if st is not None else 0.0
+        parts = [np.array([h])]
+        for rid in order:
+            parts += [h * a for a in res[rid] if a is not None]
+        flat = torch.from_numpy(np.concatenate(parts))
+        t0 = time.perf_counter()
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self._tp.cpu_group)
+        dt = time.perf_counter() - t0
+        self.reduce_calls += 1
+        self.reduce_bytes += flat.numel() * flat.element_size()
+        if self.test_dir:
+            self._test_log("allreduce", dict(bytes=flat.numel() * flat.element_size(), rows=len(order), us=dt * 1e6))
+        total = float(flat[0])
+        out: ScoreMap = {}
+        i = 1
+        for rid in order:
+            got = []
+            for a in res[rid]:
+                if a is None:
+                    got.append(None)
+                    continue
+                got.append((flat[i:i + a.shape[0]] / total).numpy())
+                i += a.shape[0]
+            out[rid] = (got[0], got[1])
+        if i != flat.numel():  # cannot happen when every rank packed the same layout
+            raise RuntimeError(f"vToken: TP score reduction unpacked {i} of {flat.numel()} values")
+        return out
+
+    # -------------------------------------------------------------- test hook
+    def _rank(self) -> int:
+        self._tp_world()
+        return 0 if self._tp is None else self._tp.rank_in_group
+
+    def _test_log(self, kind: str, rec: dict) -> None:
+        with open(os.path.join(self.test_dir, f"{kind}-rank{self._rank()}.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def dump_kv_digest(self, req_id: str, block_ids: list[int], num_live: int) -> None:
+        """Test hook (``VTOKEN_TEST_WORKER_DIR`` set): save the request's live K rows, physical order.
+
+        Writes ``<dir>/kv-rank<r>-<req_id>.npy``: float32 ``[layers, Hkv_local, num_live, hd]``
+        read back through the :class:`KVLayout` from ``block_ids`` (the request's row). Must be
+        called before the step's moves (they may overwrite the request's freed blocks).
+        """
+        if not self.test_dir or num_live <= 0:
+            return
+        bt = torch.tensor(block_ids, dtype=torch.int64)
+        ks = [lay.gather_keys(kv, bt, num_live).float() for kv, lay in self.kv_caches()]
+        safe = req_id.replace("/", "_")
+        np.save(os.path.join(self.test_dir, f"kv-rank{self._rank()}-{safe}.npy"), torch.stack(ks).numpy())
 
     @staticmethod
     def attach_scores(out, scores: Optional[ScoreMap]):

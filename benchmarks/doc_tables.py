@@ -1,0 +1,71 @@
+"""Markdown tables of the benchmark docs, rendered from the committed result files.
+
+``benchmarks/README_sla.md`` holds these tables between ``<!-- generated: ... -->`` and
+``<!-- end generated -->`` markers; ``tests/test_docs.py`` renders them again from the JSON
+files and checks the docs agree. To refresh the docs after a new run:
+``python benchmarks/doc_tables.py`` prints every table. Pure JSON -> text (no vLLM, no torch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def sla_table(name: str = "sla_small.json") -> str:
+    """One row per (arm, rate) of a ``bench_sla.py`` result: attainment, throughput, latencies
+    (ms), preemptions, queue and KV-cache use, machine load."""
+    d = _load(name)
+    rows = ["| arm | rate (req/s) | attainment | completed req/s | goodput req/s | P50 / P99 TTFT (ms) "
+            "| P50 / P99 TPOT (ms) | preemptions | max running / waiting | KV usage mean / max | load avg 1m |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, a in d["arms"].items():
+        for r in a["runs"]:
+            rows.append(
+                f"| {arm} | {r['rate']:g} | {r['attainment']:.2f} | {r['request_throughput']:.3f} "
+                f"| {r['request_goodput']:.3f} | {r['p50_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} "
+                f"| {r['p50_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | {r['preemptions']:.0f} "
+                f"| {r['num_requests_running_max']:.0f} / {r['num_requests_waiting_max']:.0f} "
+                f"| {r['kv_cache_usage_perc_mean']:.2f} / {r['kv_cache_usage_perc_max']:.2f} "
+                f"| {r['load_average_1m']:.1f} |")
+    return "\n".join(rows) + "\n"
+
+
+def sla_unloaded_table(name: str = "sla_small.json") -> str:
+    """Unloaded (one request at a time) P50 TTFT / TPOT per arm, and each arm's server start-up."""
+    d = _load(name)
+    rows = ["| arm | unloaded P50 TTFT (ms) | unloaded P50 TPOT (ms) | server start-up (s) |", "|---|---|---|---|"]
+    for arm, a in d["arms"].items():
+        u = a["unloaded"]
+        rows.append(f"| {arm} | {u['p50_ttft_ms']:.0f} | {u['p50_tpot_ms']:.1f} | {a['server_startup_s']:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
+def overhead_table(name: str = "overhead_small.json") -> str:
+    """Per model and arm of a ``bench_overhead.py`` result: step time per repetition, its median,
+    and the ratio to stock (median, min-max over the repetitions)."""
+    d = _load(name)
+    rows = ["| model | arm | vToken config | step time per repetition (ms) | median (ms) "
+            "| vs stock: median (min-max) |", "|---|---|---|---|---|---|"]
+    for model, res in d["results"].items():
+        for arm, r in res.items():
+            cfg = d["config"]["arms"].get(arm)
+            reps = ", ".join(f"{x:.1f}" for x in r["step_ms"])
+            ratio = "1" if arm == "stock" else f"{r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            rows.append(f"| {model} | {arm} | {json.dumps(cfg) if cfg else 'off'} | {reps} "
+                        f"| {r['step_ms_median']:.1f} | {ratio} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table}
+
+
+if __name__ == "__main__":
+    for n, f in TABLES.items():
+        print(f"<!-- generated: benchmarks/doc_tables.py {n} -->\n{f()}<!-- end generated -->\n")

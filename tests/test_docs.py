@@ -1,0 +1,327 @@
+"""The docs agree with the code and with the committed result files (no engine; a few seconds).
+
+- Generated tables (between ``<!-- generated: ... -->`` and ``<!-- end generated -->``) equal
+  what their generator prints now: the config table (``vtoken config --format markdown``), the
+  metrics table (``metrics_table_markdown``) and the benchmark tables of README_sla.md
+  (``benchmarks/doc_tables.py``).
+- Every file path cited in README.md, docs/*.md and benchmarks/*.md exists.
+- The README's result figures equal the values in the result file each one names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
+
+
+def _generated(text: str, marker: str) -> str:
+    """The block after the ``<!-- generated: MARKER ... -->`` line, up to ``<!-- end generated -->``."""
+    m = re.search(r"<!-- generated: " + re.escape(marker) + r"[^\n]*-->\n(.*?)<!-- end generated -->", text, re.S)
+    assert m, f"no generated block for {marker!r}"
+    return m.group(1)
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------- generated tables
+def test_readme_config_table_is_generated_from_the_model():
+    from vtoken.cli import config_table_markdown
+
+    assert _generated(_readme(), "vtoken config --format markdown") == config_table_markdown()
+
+
+def test_config_table_lists_every_field_and_no_removed_one():
+    from vtoken.cli import config_schema
+    from vtoken.config import VTokenConfig
+
+    keys = [r["key"] for r in config_schema()]
+    assert keys == list(VTokenConfig.model_fields)
+    assert "log_stats" not in keys and "score_every" in keys
+    assert all(r["meaning"] for r in config_schema())
+
+
+def test_vtoken_config_command_prints_every_key():
+    p = subprocess.run([sys.executable, "-m", "vtoken.cli", "config"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    from vtoken.cli import config_schema
+
+    lines = p.stdout.splitlines()
+    for r in config_schema():
+        assert any(ln.split()[:1] == [r["key"]] and r["default"] in ln and r["meaning"] in ln for ln in lines), r
+    p = subprocess.run([sys.executable, "-m", "vtoken.cli", "config", "--format", "json"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert json.loads(p.stdout) == config_schema()
+
+
+def test_readme_metrics_table_is_generated_from_metrics_py():
+    from vtoken.integrations.vllm.metrics import COUNTERS, GAUGES, metrics_table_markdown
+
+    table = _generated(_readme(), "vtoken.integrations.vllm.metrics.metrics_table_markdown()")
+    assert table == metrics_table_markdown()
+    assert len(table.strip().splitlines()) == 2 + len(GAUGES) + len(COUNTERS)
+
+
+@pytest.mark.parametrize("name", ["sla_table", "sla_unloaded_table", "overhead_table"])
+def test_readme_sla_tables_are_generated_from_results(name):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    text = (ROOT / "benchmarks" / "README_sla.md").read_text()
+    assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
+
+
+# ----------------------------------------------------------------------------- cited paths
+_EXT = r"(?:py|json|jsonl|png|md|txt|toml|cfg|yaml|yml)"
+# a token in backticks or a markdown link target
+_CITED = re.compile(r"`([^`\s]+)`|\]\(([^)\s]+)\)")
+_PATHLIKE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_./-]*(?:\." + _EXT + r"|/)$")
+
+
+def _cited_paths(doc: Path) -> list[str]:
+    out = []
+    for m in _CITED.finditer(doc.read_text()):
+        tok = (m.group(1) or m.group(2)).rstrip(".,;:")
+        tok = tok.split("#")[0]
+        if not tok or tok.startswith(("http:", "https:", "/", "~", "$")) or "..." in tok or "*" in tok:
+            continue
+        if "/" not in tok and not tok.endswith(tuple(f".{e}" for e in ("py", "json", "jsonl", "png", "md", "txt"))):
+            continue
+        if _PATHLIKE.match(tok) and not re.search(r"[<>{}]|NAME", tok):
+            out.append(tok)
+    return out
+
+
+def _tracked() -> set[str]:
+    p = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT)
+    files = set(p.stdout.split()) if p.returncode == 0 else set()
+    files |= {str(f.relative_to(ROOT)) for f in ROOT.rglob("*") if ".venv" not in f.parts and ".git" not in f.parts}
+    return files
+
+
+def _exists(tok: str, doc: Path, tracked: set[str]) -> bool:
+    tok = tok.rstrip("/")
+    if "/" in tok:
+        return (doc.parent / tok).exists() or (ROOT / tok).exists() or (ROOT / "benchmarks" / tok).exists()
+    # a bare file name: some file of the repository has it
+    return any(t == tok or t.endswith("/" + tok) for t in tracked)
+
+
+# Paths a doc names on purpose although they are not in the repository: the venv `make` creates.
+ALLOWED_MISSING: set[str] = {".venv/"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_cited_path_exists(doc):
+    tracked = _tracked()
+    cited = _cited_paths(doc)
+    missing = [t for t in cited if t not in ALLOWED_MISSING and not _exists(t, doc, tracked)]
+    assert not missing, f"{doc.relative_to(ROOT)} cites files that do not exist: {missing}"
+
+
+def test_path_check_can_fail(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("see `benchmarks/results/nope.json` and [plot](benchmarks/results/sla_small.png)")
+    assert _cited_paths(doc) == ["benchmarks/results/nope.json", "benchmarks/results/sla_small.png"]
+    assert not _exists("benchmarks/results/nope.json", doc, set())
+    assert _exists("benchmarks/results/sla_small.png", doc, set())
+
+
+# ----------------------------------------------------------------------------- README figures
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _section(text: str, start: str, flat: bool = False) -> str:
+    """The README paragraph group starting at ``start`` (up to the next bold lead-in); with
+    ``flat``, whitespace runs (line wraps) become single spaces."""
+    i = text.index(start)
+    j = text.find("\n\n**", i + len(start))
+    sec = text[i: j if j > 0 else len(text)]
+    return " ".join(sec.split()) if flat else sec
+
+
+def test_readme_retained_blocks_table_matches_result():
+    d = _load("retained_blocks_full.json")
+    red = {(s["policy"], s["budget"], s["block_size"]): s["reduction_avg"] * 100
+           for s in d["summary"] if s["model"] == "smollm2"}
+    names = {"H2O": "h2o", "Random": "random", "Scissorhands": "scissorhands", "TOVA": "tova",
+             "StreamingLLM": "streaming"}
+    sec = _section(_readme(), "**Retained KV blocks per request")
+    seen = 0
+    for line in sec.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if not cells or cells[0] not in names:
+            continue
+        for col, bs in ((1, 32), (2, 64)):
+            got = [float(x) for x in re.findall(r"\d+\.\d", cells[col])]
+            want = [round(red[(names[cells[0]], b, bs)], 1) for b in (128, 256, 512)]
+            assert got == want, (cells[0], bs, got, want)
+        seen += 1
+    assert seen == 5
+
+
+def test_readme_concurrency_table_matches_result():
+    d = _load("concurrency_full.json")
+    n = {(r["mode"], r["policy"], r["budget"]): r["max_feasible_n"] for r in d["results"]}
+    stock = n[("stock", None, None)]
+    sec = _section(_readme(), "**Maximum feasible concurrency")
+    seen = 0
+    for line in sec.splitlines():
+        m = re.match(r"\| (H2O|Random|Scissorhands), (\d+) \| (\d+) \| (\d+) \| (\d+) \| \**([\d.]+)x", line)
+        if not m:
+            continue
+        pol, budget = m.group(1).lower(), int(m.group(2))
+        got = tuple(int(m.group(i)) for i in (3, 4, 5))
+        assert got == (stock, n[("naive", pol, budget)], n[("vtoken", pol, budget)]), line
+        assert m.group(6) == f"{n[('vtoken', pol, budget)] / n[('naive', pol, budget)]:.2f}", line
+        seen += 1
+    assert seen == 6
+    assert f"fixed pool of {d['meta']['pool_blocks']}" in sec
+
+
+def test_readme_overhead_figures_match_result():
+    r = _load("overhead_small.json")["results"]["smollm2"]
+    sec = _section(_readme(), "**Overhead**", flat=True)
+    for arm in ("noevict", "evict"):
+        x = r[arm]
+        assert f"**{x['ratio_median']:.2f}x**" in sec
+        assert f"min-max {x['ratio_min']:.2f}-{x['ratio_max']:.2f}" in sec
+    assert f"median of {len(r['evict']['step_ms'])}" in sec
+
+
+def test_readme_sla_figures_match_result():
+    d = _load("sla_small.json")
+    sec = _section(_readme(), "**SLA-constrained throughput**", flat=True)
+    slo = d["slo"]
+    assert f"TTFT <= 5 x {slo['unloaded_p50_ttft_ms']:.0f} ms = {slo['ttft_ms']:.0f} ms" in sec
+    assert f"TPOT <= 2 x {slo['unloaded_p50_tpot_ms']:.0f} ms = {slo['tpot_ms']:.0f} ms" in sec
+    assert all(a["sla_rate"] is None for a in d["arms"].values())  # "not reproduced"
+    pre = {arm: sum(r["preemptions"] for r in a["runs"]) for arm, a in d["arms"].items()}
+    assert f"stock preempts {pre['stock']:.0f} times" in sec
+    assert pre["naive-h2o"] == pre["vtoken-h2o"] == 0
+
+    def rng(arm, key, fmt="{:.0f}"):
+        v = [r[key] for r in d["arms"][arm]["runs"]]
+        return f"{fmt.format(min(v))}-{fmt.format(max(v))}"
+
+    assert f"vToken {rng('vtoken-h2o', 'p99_tpot_ms')} ms" in sec
+    assert f"Naive-Evict {rng('naive-h2o', 'p99_tpot_ms')} ms" in sec
+    assert f"stock {rng('stock', 'p99_tpot_ms')} ms" in sec
+    assert f"{rng('vtoken-h2o', 'kv_cache_usage_perc_max', '{:.2f}')} vs Naive-Evict's " \
+           f"{rng('naive-h2o', 'kv_cache_usage_perc_max', '{:.2f}')}" in sec
+
+
+def test_readme_soak_figures_match_result():
+    d = _load("soak_2026-11-30.json")
+    f = d["figures"]
+    sec = _section(_readme(), "**Soak**", flat=True)
+    for key, label in (("requests_served", "requests served"), ("aborts", "aborts"), ("rejected_400", "bad requests"),
+                       ("preemptions", "preemptions"), ("evicted_tokens", "tokens evicted"),
+                       ("moved_tokens", "moved"), ("freed_blocks", "blocks freed"), ("blocks_leaked", "blocks leaked")):
+        num = f"{int(f[key]):,}"
+        assert re.search(re.escape(num) + r"\**\s+" + re.escape(label), sec), (key, num)
+    assert f"{d['clients']} clients" in sec and f"--minutes {d['minutes']:g}" in sec
+
+
+def test_readme_quality_figures_match_result():
+    rows = {(r["policy"], r["budget"]): r for r in _load("quality_small.json")["oracle"]["summary"]}
+    sec = _section(_readme(), "**Quality**", flat=True)
+    att = [rows[(p, b)] for p in ("h2o", "scissorhands") for b in (128, 256)]
+    rnd = [rows[("random", b)] for b in (128, 256)]
+    lo, hi = min(r["delta_nll"] for r in att), max(r["delta_nll"] for r in att)
+    assert f"+{lo:.2f} to +{hi:.2f} nats/token" in sec
+    alo, ahi = min(r["agree_full"] for r in att), max(r["agree_full"] for r in att)
+    assert f"{alo * 100:.0f}-{ahi * 100:.0f} % next-token agreement" in sec
+    assert f"+{min(r['delta_nll'] for r in rnd):.1f} to +{max(r['delta_nll'] for r in rnd):.1f} nats" in sec
+
+
+def test_readme_first_start_matches_result():
+    d = _load("first_start.json")
+    t, a = d["seconds_from_make_serve"], d["asset_steps_s"]
+    sec = _section(_readme(), "**First start**", flat=True)
+    assert f"answered `/health` after {t['health_ok']:.0f} s" in sec
+    assert f"installing `.venv/` {t['venv_installed']:.1f} s" in sec
+    assert f"SmolLM2 {a['smollm2']:.1f} s" in sec and f"ShareGPT JSON {a['sharegpt']:.1f} s" in sec
+    assert f"(about {5 * round((t['health_ok'] - t['assets_built']) / 5):.0f} s)" in sec
+    assert d["demo_usage"]["prompt_tokens"] == 1037
+
+
+# ----------------------------------------------------------------------------- benchmarks/README.md tables
+def _bench_readme_rows(first_cell: str) -> list[list[str]]:
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("| "):
+            cells = [c.strip().strip("*").replace(" %", "").rstrip("x") for c in line.strip("|").split("|")]
+            if re.fullmatch(first_cell, cells[0]):
+                rows.append(cells)
+    return rows
+
+
+def test_benchmarks_readme_retained_table_matches_result():
+    s = {(r["policy"], r["budget"], r["block_size"]): r for r in _load("retained_blocks_full.json")["summary"]
+         if r["model"] == "smollm2"}
+    rows = _bench_readme_rows("h2o|random|scissorhands|tova|streaming")
+    rows = [r for r in rows if len(r) == 10]
+    assert len(rows) == 15
+    for pol, b, *cells in rows:
+        a, c = s[(pol, int(b), 32)], s[(pol, int(b), 64)]
+        want = [f"{a['full_avg']:.1f}", f"{a['naive_avg']:.1f}", f"{a['vtoken_avg']:.1f}", f"{a['ideal_avg']:.1f}",
+                f"{100 * a['reduction_avg']:.1f}", f"{c['naive_avg']:.1f}", f"{c['vtoken_avg']:.1f}",
+                f"{100 * c['reduction_avg']:.1f}"]
+        assert cells == want, (pol, b)
+
+
+def test_benchmarks_readme_concurrency_tables_match_results():
+    for name, first, n_rows in (("concurrency_small.json", r"stock vLLM|Naive-Evict, .*|vToken, .*", 7),
+                                ("concurrency_full.json", r"h2o|random|scissorhands", 6)):
+        res = {(r["mode"], r["policy"], r["budget"]): r for r in _load(name)["results"]}
+        stock = res[("stock", None, None)]["max_feasible_n"]
+        rows = [r for r in _bench_readme_rows(first) if r[1].isdigit()]
+        if name == "concurrency_small.json":
+            rows = [r for r in rows if len(r) == 5]
+            assert len(rows) == n_rows
+            for arm, n, first_bad, *_ in rows:
+                if arm == "stock vLLM":
+                    key = ("stock", None, None)
+                else:
+                    mode, pb = arm.split(", ")
+                    pol, b = pb.rsplit(" ", 1)
+                    key = ("naive" if mode == "Naive-Evict" else "vtoken", pol.lower(), int(b))
+                assert (int(n), int(first_bad)) == (res[key]["max_feasible_n"], res[key]["first_infeasible_n"]), arm
+        else:
+            rows = [r for r in rows if len(r) == 7 and r[2].isdigit()]
+            assert len(rows) == n_rows
+            for pol, b, st, nv, vt, ratio, vs_stock in rows:
+                key = (pol, int(b))
+                assert int(st) == stock
+                assert int(nv) == res[("naive", *key)]["max_feasible_n"]
+                assert int(vt) == res[("vtoken", *key)]["max_feasible_n"]
+                assert ratio == f"{int(vt) / int(nv):.2f}" and vs_stock == f"{int(vt) / stock:.2f}"
+
+
+def test_benchmarks_readme_quality_table_matches_result():
+    d = _load("quality_small.json")
+    o = {(r["policy"], r["budget"]): r for r in d["oracle"]["summary"]}
+    e = {(r["policy"], r["budget"]): r for r in d["engine"]["summary"]}
+    rows = [r for r in _bench_readme_rows("h2o|random|scissorhands") if len(r) == 7 and "." in r[2]]
+    assert len(rows) == 6
+    for pol, b, nll, dnll, agree, top1, greedy in rows:
+        r, g = o[(pol, int(b))], e[(pol, int(b))]
+        assert [nll, dnll, agree, top1, greedy] == [
+            f"{r['nll']:.3f}", f"{r['delta_nll']:+.3f}", f"{r['agree_full']:.2f}", f"{r['top1_acc']:.2f}",
+            f"{g['prefix_agreement']:.2f}"], (pol, b)
