@@ -205,6 +205,29 @@ def test_aborts_and_preemption_lose_no_block(tiny, path):
     assert out["vtoken"]["stats"]["preemption_resets"] > 0
 
 
+@pytest.mark.parametrize("run_path", ["v1-sync", "mrv2-async"])
+def test_moves_of_a_request_preempted_in_the_same_step_are_dropped(tiny, run_path):
+    """4 usable blocks: "off" (eviction off, 40-token prompt) and "q" (60-token prompt, budget
+    40, slack 0: it evicts and repacks at every decode step) hold 2 blocks each. When "off"
+    reaches 64 tokens it needs a third block: the stock schedule() preempts "q" (last in the
+    running queue) right after vToken planned q's moves in that schedule(). q's blocks are back
+    in the pool (another request may be given them in that step), so its moves are left off
+    the payload; VTOKEN_CHECK asserts that every block a move writes is held by the request
+    that planned it, alone and unhashed (before the fix: "a repack move writes block N, which
+    is free")."""
+    reqs = [dict(id="off", prompt_token_ids=_prompt(19, 40), max_tokens=80, extra_args={"vtoken_enable": False}),
+            dict(id="q", prompt_token_ids=_prompt(21, 60), max_tokens=40, arrive_at_step=1)]
+    out = run_in_subprocess(dict(engine=_engine(tiny, num_gpu_blocks_override=5, max_model_len=128),
+                                 vtoken={"policy": "h2o", "budget": 40, "slack": 0}, requests=reqs),
+                            env=path_env(run_path))
+    assert out["paths"] == EXPECTED[run_path]
+    stats = out["vtoken"]["stats"]
+    assert stats["preemption_resets"] == 1 and stats["moves_dropped_preempted"] > 0, stats
+    assert out["finish"] == {"off": "length", "q": "length"}
+    assert len(out["tokens"]["off"]) == 80 and len(out["tokens"]["q"]) == 40
+    assert out["free_blocks_end"] == out["free_blocks_start"] == 4
+
+
 def test_score_every_matches_dense_oracle(tiny, path):
     """Scores every 3rd decode step (and every prefill): same convention as the oracle."""
     vt = {"policy": "h2o", "budget": 37, "score_every": 3}

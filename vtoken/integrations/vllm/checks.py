@@ -5,8 +5,9 @@ that every held block's ``ref_cnt`` equals the number of requests holding it (1,
 sharers of a prefix-cache block, which the pool counts once), that free + distinct held
 blocks == the pool, that each scheduled request holds exactly the blocks the accounting
 says, and, with prefix caching, that a request that may evict holds only private, unhashed
-blocks past its protected prefix, keeps that prefix at its own slots, and that no repack
-move writes a shared or hashed block. ``VTOKEN_TRACE=<path>``: one JSON line per step
+blocks past its protected prefix, keeps that prefix at its own slots, and that every block a repack
+move writes is held by the request that planned it alone, unhashed (a move of a request
+preempted in the same ``schedule()`` is dropped from the payload). ``VTOKEN_TRACE=<path>``: one JSON line per step
 (:func:`trace_record`).
 """
 
@@ -83,12 +84,15 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
             )
     if moves is not None and len(getattr(moves, "dst", ())):
         for bid in np.unique(np.asarray(moves.dst) // bs).tolist():
+            owner = move_owners.get(bid)
             b = by_id.get(bid) or block_pool.blocks[bid]
-            assert b.ref_cnt == 1 and b.block_hash is None, (
-                f"a repack move writes block {bid}, which is {'shared' if b.ref_cnt > 1 else 'hashed'} "
-                f"(ref_cnt {b.ref_cnt}); moved into by (request, block index, protected, clean_len) "
-                f"{move_owners.get(bid)}, request still tracked: "
-                f"{move_owners.get(bid, (None,))[0] in states}, hash covers {b.block_hash_num_tokens} tokens"
+            what = ("free (back in the pool)" if b.ref_cnt == 0 else f"shared (ref_cnt {b.ref_cnt})" if b.ref_cnt > 1
+                    else f"hashed (covers {b.block_hash_num_tokens} tokens)" if b.block_hash is not None
+                    else f"held by {holders.get(bid)}")
+            assert (b.ref_cnt == 1 and b.block_hash is None and owner is not None
+                    and holders.get(bid) == [owner[0]]), (
+                f"a repack move writes block {bid}, which is {what}; planned by (request, block index, protected, "
+                f"clean_len) {owner}, request still tracked: {owner is not None and owner[0] in states}"
             )
 
 

@@ -260,8 +260,10 @@ class VTokenSchedulerMixin:
     # ------------------------------------------------------------------ schedule
     def schedule(self, *args, **kwargs):
         payload = StepPayload()
+        # this step's moves per planning request, kept apart until the stock schedule() ran
         srcs: list[np.ndarray] = []
         dsts: list[np.ndarray] = []
+        move_by: list[tuple[str, RequestState]] = []
         t0 = time.perf_counter()
         eligible: list[tuple[int, Any, RequestState]] = []
         for order, req in enumerate(self.running):
@@ -288,15 +290,14 @@ class VTokenSchedulerMixin:
                 continue
             try:
                 st.evict_log.append((st.decode_steps + 1, k))
-                self._vt_evict(req.request_id, st, k, payload, srcs, dsts)
+                self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by)
             except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
                 self._vt_fault(req.request_id, st, e)
-        if srcs:
-            payload.src = np.concatenate(srcs)
-            payload.dst = np.concatenate(dsts)
         self.vt_stats.repack_seconds += time.perf_counter() - t0
 
         out = super().schedule(*args, **kwargs)
+
+        self._vt_collect_moves(payload, srcs, dsts, move_by)
 
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -325,6 +326,27 @@ class VTokenSchedulerMixin:
                                self._vt_states, self._vt_accounting)
             self._vt_trace.write(json.dumps(rec) + "\n")
         return out
+
+    def _vt_collect_moves(self, payload: StepPayload, srcs: list[np.ndarray], dsts: list[np.ndarray],
+                          move_by: list[tuple[str, RequestState]]) -> None:
+        """Put this step's moves on the payload, except those of a request that the stock
+        ``schedule()`` preempted after they were planned: its blocks went back to the pool
+        (its clean prefix hashed first), so a move would write a block it no longer holds
+        (a block that another request may be given in this very step). Its tokens are
+        re-prefilled anyway."""
+        keep_src: list[np.ndarray] = []
+        keep_dst: list[np.ndarray] = []
+        for (rid, st), src, dst in zip(move_by, srcs, dsts):
+            if self._vt_states.get(rid) is not st:  # preempted (state dropped) in this schedule()
+                self.vt_stats.moves_dropped_preempted += len(dst)
+                for bid in np.unique(dst // self._vt_bs).tolist():
+                    self._vt_move_owners.pop(int(bid), None)
+                continue
+            keep_src.append(src)
+            keep_dst.append(dst)
+        if keep_src:
+            payload.src = np.concatenate(keep_src)
+            payload.dst = np.concatenate(keep_dst)
 
     def _vt_after_scheduled(self, req, st: RequestState, n: int, payload: StepPayload) -> None:
         """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end."""
@@ -381,7 +403,7 @@ class VTokenSchedulerMixin:
                          moves=getattr(out, "vtoken", None), move_owners=self._vt_move_owners)
 
     def _vt_evict(self, rid: str, st: RequestState, k: int, payload: StepPayload,
-                  srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
+                  srcs: list[np.ndarray], dsts: list[np.ndarray], move_by: list[tuple[str, RequestState]]) -> None:
         table = st.table
         view = TokenView(logical_pos=table.logical_pos, num_logical=table.num_logical, prompt_len=st.prompt_len,
                          protected_prefix=st.protected)
@@ -400,6 +422,9 @@ class VTokenSchedulerMixin:
             ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
             srcs.append(ids[plan.src // bs] * bs + plan.src % bs)
             dsts.append(ids[plan.dst // bs] * bs + plan.dst % bs)
+            move_by.append((rid, st))
+            # no block at or past this slot is ever hashed for this request (_vt_cache_clean_prefix)
+            st.min_dst_slot = min(st.min_dst_slot, int(plan.dst.min()))
             if self._vt_check:
                 for i in np.unique(plan.dst // bs).tolist():
                     self._vt_move_owners[int(ids[i])] = (rid, int(i), st.protected, st.clean_len)
@@ -481,7 +506,11 @@ class VTokenSchedulerMixin:
         if st is None:
             return
         n = st.table.num_live if st.clean_len is None else st.clean_len
-        n = min(n, st.table.num_live, request.num_tokens,
+        # Never a block that a repack move wrote or will write: under async scheduling the
+        # step planned after the last processed one may still carry moves for this request
+        # when it finishes (stop token, abort) and is applied after this. clean_len <= the
+        # first moved-into slot by construction; the bound makes it explicit.
+        n = min(n, st.min_dst_slot, st.table.num_live, request.num_tokens,
                 len(request.block_hashes) * self.kv_cache_manager.block_pool.hash_block_size)
         self.vt_stats.prefix_blocks_cached_at_finish += self._vt_mgr.vt_cache_clean_prefix(request, n)
 

@@ -71,6 +71,9 @@ class RequestState:
     #: own slot (None: nothing evicted yet, so all). Only these may be cached for later
     #: requests: a token computed after an eviction attended over a cut context.
     clean_len: Optional[int] = None
+    #: smallest slot any repack move planned for this request writes (a large number: none
+    #: yet). Blocks from here on are never hashed for later requests, even once it ends.
+    min_dst_slot: int = 1 << 62
     generation: int = field(default_factory=lambda: next(_generation))
     # lifetime accounting (for retained-blocks figures); ``steps`` is also the request-step index
     steps: int = 0
@@ -113,6 +116,9 @@ class VTokenStats:
     #: prefix caching: blocks of finished requests added to the prefix cache by vToken
     #: (blocks that stayed clean but were kept out of the cache while the request could evict)
     prefix_blocks_cached_at_finish: int = 0
+    #: repack moves left off a step's payload because the stock schedule() preempted their
+    #: request after they were planned (its blocks were already back in the pool)
+    moves_dropped_preempted: int = 0
     pressure_events: int = 0  # steps where the pool was short (pressure pacing)
     pressure_evictions: int = 0  # eviction events decided under pressure
     shortfalls_covered: int = 0  # short steps fully covered by eviction (preemptions avoided)
