@@ -1,24 +1,26 @@
 """vToken with vLLM prefix caching on (issue 12; docs/integration.md, "Prefix caching").
 
 Rules under test: a request that may evict never evicts its protected prefix (the blocks it
-got from the prefix cache and, with ``protect_cached_prefix`` (the default), its own full
-prompt blocks); no repack writes a shared or hashed block; blocks past the protected prefix
-are kept out of the cache while the request runs and the clean ones are cached when it ends.
-The dense oracle replays the same rule (``oracle_generate(protected_prefix=P)``), so tokens
-are compared exactly.
+got from the prefix cache, which may be shared, and, with ``protect_cached_prefix: true``, its
+own full prompt blocks); no repack writes a shared, hashed or foreign block; blocks past the
+protected prefix are kept out of the cache while the request runs and the clean ones (below
+its first evicted position) are cached when it ends. The dense oracle replays the same rule
+(``oracle_generate(protected_prefix=P)``), so tokens are compared exactly.
 
 Engines (each one process, ``tests/integration/_prefix_driver.py``, ``VTOKEN_CHECK=1``:
 ref_cnt == holders for every held block, shared blocks counted once in the pool, no block
-past a protected prefix shared or hashed, no repack move into a shared or hashed block):
+past a protected prefix shared or hashed, every block a move writes held by its planner alone
+and unhashed):
 
-* ``protect`` (default rule), v1-sync, and the same on mrv2-async: A (128-token shared
-  prefix + its own suffix), B (same prefix, another suffix), A again, B with TOVA, one after
-  the other; then four requests sharing the prefix decode and evict together. The contents
-  of every hashed block a request holds are hashed after every step (sync path) and must not
-  change while the block keeps its hash.
-* ``hit_only`` (``protect_cached_prefix: false``), v1-sync: a short request that never evicts
-  caches the prefix; A, B, A again, B with TOVA then protect only their hit and evict into
-  their own prompt blocks.
+* ``default_run`` (the default rule, protect the hit only), v1-sync: a short request that
+  never evicts caches the 128-token prefix; then A (the prefix + its own suffix), B (same
+  prefix, another suffix), A again, B with TOVA, one after the other, each hitting the cache
+  and evicting inside its own prompt blocks; then four requests sharing the prefix decode and
+  evict together. The contents of every hashed block a request holds are hashed after every
+  step and must not change while the block keeps its hash. The same on mrv2-async.
+* ``protect_run`` (``protect_cached_prefix: true``), v1-sync: A, B, A again, B with TOVA and
+  the four sharers; the protected prefix is then a function of the prompt alone, so A again
+  gives exactly A's tokens from the fresh engine.
 """
 
 from __future__ import annotations
@@ -91,15 +93,18 @@ def tiny() -> str:
     return str(ensure_tiny_model())
 
 
+WARM = [[_req("W", PREFIX + _suffix(9, 8), max_tokens=4)]]  # 140 tokens <= budget: never evicts
+PROTECT = dict(VT, protect_cached_prefix=True)
+
+
+@pytest.fixture(scope="module")
+def default_run(tiny):
+    return _run(tiny, VT, WARM + SEQUENCE + CONCURRENT, "v1-sync", digests=True)
+
+
 @pytest.fixture(scope="module")
 def protect_run(tiny):
-    return _run(tiny, VT, SEQUENCE + CONCURRENT, "v1-sync", digests=True)
-
-
-@pytest.fixture(scope="module")
-def hit_only_run(tiny):
-    warm = [[_req("W", PREFIX + _suffix(9, 8), max_tokens=4)]]  # 140 tokens <= budget: never evicts
-    return _run(tiny, dict(VT, protect_cached_prefix=False), warm + SEQUENCE, "v1-sync", digests=True)
+    return _run(tiny, PROTECT, SEQUENCE + CONCURRENT, "v1-sync", digests=True)
 
 
 _oracle: dict = {}
@@ -133,9 +138,48 @@ def _check_against_oracle(tiny, out, phases, vt, lag=0):
     assert mismatches == []
 
 
-def test_sequence_hits_the_cache_and_matches_the_oracle(tiny, protect_run):
-    out = protect_run
+def _check_sharers(out):
+    # C0..C3 hit the same four prefix blocks and decode together: ref_cnt 4 while they evict
+    assert out["max_ref_cnt"] >= 4 and out["shared_steps"] > 0
+    assert all(out["num_cached_tokens"][f"C{i}"] == 128 for i in range(4))
+    assert all(out["finished"][f"C{i}"]["protected"] >= 128 for i in range(4))
+    assert all(out["finished"][f"C{i}"]["evicted"] > 0 for i in range(4))
+    assert out["stats"]["request_faults"] == 0 and out["stats"]["freed_blocks"] > 0
+    # blocks go back through BlockPool.free_blocks: the pool returns to its start after each
+    # phase (cached blocks count as free)
+    assert out["free_after_phase"] == [out["free_start"]] * len(out["free_after_phase"])
+
+
+def test_default_protects_the_hit_and_evicts_own_prompt_blocks(tiny, default_run):
+    out = default_run
     assert out["paths"] == EXPECTED["v1-sync"]
+    hits = out["num_cached_tokens"]
+    assert hits["W"] == 0 and out["finished"]["W"]["evicted"] == 0
+    # W cached the 4 prefix blocks (it never evicted: all its full blocks are clean); A, B, A
+    # again and B-tova hit them. Each evicts inside its own prompt blocks (positions 128 ..
+    # prompt end), so nothing past the prefix is clean when it ends: the hits stay 128.
+    assert {rid: hits[rid] for rid in ("A", "B", "A2", "B-tova")} == dict.fromkeys(("A", "B", "A2", "B-tova"), 128)
+    for rid, prompt in (("A", A), ("B", B), ("A2", A), ("B-tova", B)):
+        fin = out["finished"][rid]
+        assert fin["protected"] == fin["cached_tokens"] == 128  # only the hit
+        assert fin["evicted"] > 0
+    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT)
+    # the rule binds: A evicted inside its own prompt blocks past the hit
+    _, evicted = _oracle_tokens(tiny, A, None, VT, 128)
+    assert any(((e >= 128) & (e < len(A))).any() for e in evicted)
+    # and the hit is what kept the prefix: without it the oracle evicts inside [0, 128)
+    _, evicted0 = _oracle_tokens(tiny, A, None, VT, 0)
+    assert min(int(e.min()) for e in evicted0 if len(e)) < 128
+
+
+def test_default_concurrent_sharers_keep_shared_blocks(default_run):
+    _check_sharers(default_run)
+    # every held hashed block was checked after every step (the driver fails on a change)
+    assert default_run["digest_checks"] > 0
+
+
+def test_protect_cached_prefix_sequence_is_cache_independent(tiny, protect_run):
+    out = protect_run
     hits = out["num_cached_tokens"]
     # A computed and cached its full prompt blocks (160 tokens, protected); B shares the
     # 128-token prefix; A again and B-tova hit their whole full prompt blocks (a hit stops
@@ -148,52 +192,20 @@ def test_sequence_hits_the_cache_and_matches_the_oracle(tiny, protect_run):
         assert fin["evicted"] > 0, rid
     # the same tokens as alone on a fresh engine: A ran first on a fresh engine
     assert out["tokens"]["A2"] == out["tokens"]["A"]
-    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT)
+    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, PROTECT)
     # the rule is binding: without the protection the oracle evicts inside A's prompt blocks
-    _, evicted = _oracle_tokens(tiny, A, None, VT, 0)
+    _, evicted = _oracle_tokens(tiny, A, None, PROTECT, 0)
     assert min(int(e.min()) for e in evicted if len(e)) < 160
-
-
-def test_concurrent_sharers_keep_shared_blocks(protect_run):
-    out = protect_run
-    # C0..C3 hit the same four prefix blocks and decode together: ref_cnt 4 while they evict
-    assert out["max_ref_cnt"] >= 4 and out["shared_steps"] > 0
-    assert all(out["num_cached_tokens"][f"C{i}"] == 128 for i in range(4))
-    assert all(out["finished"][f"C{i}"]["evicted"] > 0 for i in range(4))
-    # every held hashed block was checked after every step (the driver fails on a change)
+    _check_sharers(out)
     assert out["digest_checks"] > 0
-    assert out["stats"]["request_faults"] == 0 and out["stats"]["freed_blocks"] > 0
-    # blocks go back through BlockPool.free_blocks: the pool returns to its start after each
-    # phase (cached blocks count as free)
-    assert out["free_after_phase"] == [out["free_start"]] * len(out["free_after_phase"])
 
 
-def test_hit_only_protects_the_hit_and_evicts_own_prompt_blocks(tiny, hit_only_run):
-    out = hit_only_run
-    hits = out["num_cached_tokens"]
-    assert hits["W"] == 0 and out["finished"]["W"]["evicted"] == 0
-    for rid in ("A", "B", "A2", "B-tova"):
-        fin = out["finished"][rid]
-        assert hits[rid] >= 128
-        assert fin["protected"] == hits[rid] // BLOCK * BLOCK  # only the hit
-        assert fin["evicted"] > 0
-    # A evicted inside its own prompt blocks (positions 128..167), so its blocks were not
-    # cached past the first evicted position
-    assert hits["A"] == 128 and hits["B"] == 128
-    vt = dict(VT, protect_cached_prefix=False)
-    _check_against_oracle(tiny, out, SEQUENCE, vt)
-    _, evicted = _oracle_tokens(tiny, A, None, vt, 128)
-    assert any(((e >= 128) & (e < len(A))).any() for e in evicted)
-    assert out["free_after_phase"] == [out["free_start"]] * len(out["free_after_phase"])
-
-
-def test_sequence_on_mrv2_async(tiny, protect_run):
-    """The same sequence and sharers on Model Runner V2 with async scheduling (score lag 1)."""
-    out = _run(tiny, VT, SEQUENCE + CONCURRENT, "mrv2-async", digests=False)
+def test_default_on_mrv2_async(tiny, default_run):
+    """The default rule's sequence and sharers on Model Runner V2 with async scheduling (score lag 1)."""
+    out = _run(tiny, VT, WARM + SEQUENCE + CONCURRENT, "mrv2-async", digests=False)
     assert out["paths"] == EXPECTED["mrv2-async"]
-    assert out["num_cached_tokens"] == protect_run["num_cached_tokens"]
-    assert out["max_ref_cnt"] >= 4
-    assert out["free_after_phase"] == [out["free_start"]] * len(out["free_after_phase"])
+    assert out["num_cached_tokens"] == default_run["num_cached_tokens"]
+    _check_sharers(out)
     _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT, lag=SCORE_LAG["mrv2-async"])
 
 

@@ -142,12 +142,14 @@ class VTokenSchedulerMixin:
         return max_tokens
 
     def _vt_may_evict(self, cfg: VTokenConfig, request) -> bool:
-        """False when prompt + max_tokens can never exceed budget + slack (the request never evicts)."""
+        """False when prompt + max_tokens can never exceed what the pacing keeps: budget + slack
+        (fixed), or the budget (pressure pacing cuts any request down to its budget)."""
         max_tokens = self._vt_max_tokens(request)
         if max_tokens is None:
             return True
         prompt_len = request.num_prompt_tokens
-        return prompt_len + max_tokens > effective_budget(cfg, prompt_len) + cfg.resolved_slack()
+        keep = effective_budget(cfg, prompt_len) + (cfg.resolved_slack() if cfg.pacing == "fixed" else 0)
+        return prompt_len + max_tokens > keep
 
     def _vt_prompt_protected(self, cfg: VTokenConfig, request) -> int:
         """Prefix caching, a request that may evict: the prompt tokens protected whatever the cache
@@ -268,7 +270,7 @@ class VTokenSchedulerMixin:
         eligible: list[tuple[int, Any, RequestState]] = []
         for order, req in enumerate(self.running):
             st = self._vt_states.get(req.request_id)  # made when the request was first scheduled
-            if st is None or not st.decoding or st.faulted:
+            if st is None or not st.decoding or st.faulted or not st.may_evict:
                 continue
             rid = req.request_id
             if self._vt_done_in_flight(req):
