@@ -4,8 +4,10 @@ Method:
 
 * One OpenAI server per arm (SmolLM2-135M, bf16, 127.0.0.1, ``--enable-prefix-caching``
   explicit, a fixed pool of ``--num-gpu-blocks-override`` blocks of 32 tokens), started one at
-  a time. Arms: ``stock`` (no ``vtoken`` key), ``vtoken`` (H2O, ``protect_cached_prefix``
-  default true) and ``vtoken_hit_only`` (``protect_cached_prefix: false``), same budget.
+  a time. Arms: ``stock`` (no ``vtoken`` key), ``vtoken`` (H2O, the default rule: protect the
+  cache hit only) and ``vtoken_protect_prompt`` (``protect_cached_prefix: true``), same budget,
+  and ``vtoken_large_budget`` (the default rule, ``--large-budget``: first turns fit in the
+  budget, never evict and so cache the shared system prompt like stock vLLM).
 * Workload: ``--conversations`` ShareGPT conversations with at least ``--turns`` user turns,
   each user turn cut to ``--turn-chars`` characters, all starting with the same system prompt
   (a shared prefix across conversations). The conversations run concurrently (one thread
@@ -178,12 +180,15 @@ def main(argv=None) -> int:
     ap.add_argument("--turn-chars", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--large-budget", type=int, default=512,
+                    help="budget of the vtoken_large_budget arm (default rule), where first turns fit")
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_cache_sharegpt.json"))
     args = ap.parse_args(argv)
     convs = conversations(args.conversations, args.turns, args.turn_chars)
     vt = {"policy": "h2o", "budget": args.budget}
-    arms = [("stock", None), ("vtoken", vt), ("vtoken_hit_only", dict(vt, protect_cached_prefix=False))]
+    arms = [("stock", None), ("vtoken", vt), ("vtoken_protect_prompt", dict(vt, protect_cached_prefix=True)),
+            ("vtoken_large_budget", dict(vt, budget=args.large_budget))]
     results = [run_arm(name, cfg, args, convs) for name, cfg in arms]
     write_json(Path(args.out), dict(meta=run_metadata(), args=vars(args), system_prompt_chars=len(SYSTEM),
                                     arms=results))

@@ -28,9 +28,13 @@ SERVER_ARGS = [
     "--gpu-memory-utilization", "0.2", "--num-gpu-blocks-override", str(NUM_BLOCKS),
     "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
     "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
-    # vLLM's default is on, and vToken keeps it (issue 12); these tests compare eviction with
-    # the dense oracle without a protected prefix (tests/integration/test_prefix_caching.py
-    # covers prefix caching).
+    # Prefix caching is vLLM's default and vToken keeps it (issue 12). These servers compare
+    # tokens and eviction counts with the dense oracle, which needs each request's protected
+    # prefix (its cache hit); chat requests share the chat template's first tokens, so a hit
+    # would shift it. They run without it; prefix caching with vToken is covered by
+    # tests/integration/test_prefix_caching.py, the soak and the README demo
+    # (tests/e2e/test_vllm_serve.py::test_readme_demo_frees_blocks: make serve's command, with
+    # vLLM's default on).
     "--no-enable-prefix-caching",
 ]
 

@@ -93,13 +93,16 @@ def tiny() -> str:
     return str(ensure_tiny_model())
 
 
-WARM = [[_req("W", PREFIX + _suffix(9, 8), max_tokens=4)]]  # 140 tokens <= budget: never evicts
+# W: 140 tokens within its budget: it never evicts, so it caches its full blocks like stock
+WARM = [[_req("W", PREFIX + _suffix(9, 8), {"vtoken_budget": 256}, max_tokens=4)]]
 PROTECT = dict(VT, protect_cached_prefix=True)
+# the default rule with a budget below the shared prefix: without the hit, eviction would cut into it
+VT_DEFAULT = dict(VT, budget=96)
 
 
 @pytest.fixture(scope="module")
 def default_run(tiny):
-    return _run(tiny, VT, WARM + SEQUENCE + CONCURRENT, "v1-sync", digests=True)
+    return _run(tiny, VT_DEFAULT, WARM + SEQUENCE + CONCURRENT, "v1-sync", digests=True)
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +166,12 @@ def test_default_protects_the_hit_and_evicts_own_prompt_blocks(tiny, default_run
         fin = out["finished"][rid]
         assert fin["protected"] == fin["cached_tokens"] == 128  # only the hit
         assert fin["evicted"] > 0
-    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT)
+    _check_against_oracle(tiny, out, WARM + SEQUENCE + CONCURRENT, VT_DEFAULT)
     # the rule binds: A evicted inside its own prompt blocks past the hit
-    _, evicted = _oracle_tokens(tiny, A, None, VT, 128)
+    _, evicted = _oracle_tokens(tiny, A, None, VT_DEFAULT, 128)
     assert any(((e >= 128) & (e < len(A))).any() for e in evicted)
     # and the hit is what kept the prefix: without it the oracle evicts inside [0, 128)
-    _, evicted0 = _oracle_tokens(tiny, A, None, VT, 0)
+    _, evicted0 = _oracle_tokens(tiny, A, None, VT_DEFAULT, 0)
     assert min(int(e.min()) for e in evicted0 if len(e)) < 128
 
 
@@ -202,11 +205,11 @@ def test_protect_cached_prefix_sequence_is_cache_independent(tiny, protect_run):
 
 def test_default_on_mrv2_async(tiny, default_run):
     """The default rule's sequence and sharers on Model Runner V2 with async scheduling (score lag 1)."""
-    out = _run(tiny, VT, WARM + SEQUENCE + CONCURRENT, "mrv2-async", digests=False)
+    out = _run(tiny, VT_DEFAULT, WARM + SEQUENCE + CONCURRENT, "mrv2-async", digests=False)
     assert out["paths"] == EXPECTED["mrv2-async"]
     assert out["num_cached_tokens"] == default_run["num_cached_tokens"]
     _check_sharers(out)
-    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT, lag=SCORE_LAG["mrv2-async"])
+    _check_against_oracle(tiny, out, WARM + SEQUENCE + CONCURRENT, VT_DEFAULT, lag=SCORE_LAG["mrv2-async"])
 
 
 if __name__ == "__main__":
