@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turn-chars", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--large-budget", type=int, default=512,
+    ap.add_argument("--large-budget", type=int, default=256,
                     help="budget of the vtoken_large_budget arm (default rule), where first turns fit")
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_cache_sharegpt.json"))

@@ -61,8 +61,8 @@ def test_vllm_serve_help():
 @pytest.mark.parametrize("vt, want", [
     ({"budget": -1}, "vtoken: error: vtoken.budget = -1: Input should be greater than or equal to 1"),
     ({"bugdet": 64}, "vtoken: error: vtoken.bugdet = 64: unknown key; allowed: ['budget', 'budget_ratio', 'mode', "
-                     "'pacing', 'policy', 'policy_args', 'recent_tokens', 'score_every', 'seed', 'sink_tokens', "
-                     "'slack', 'watermark_blocks', 'watermark_fraction']"),
+                     "'pacing', 'policy', 'policy_args', 'protect_cached_prefix', 'recent_tokens', 'score_every', "
+                     "'seed', 'sink_tokens', 'slack', 'watermark_blocks', 'watermark_fraction']"),
 ])
 def test_vllm_serve_bad_config_one_line(tiny_model, vt, want):
     """Start-up error: exit 2, the last stderr line is vToken's message, no traceback."""
