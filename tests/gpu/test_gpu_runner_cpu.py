@@ -288,3 +288,53 @@ def test_worker_builds_the_runner_vllm_picked(monkeypatch, v2, encoder_only, wan
     assert made[0][0] == want and len(made) == 1
     if want != "upstream":
         assert made[0][1:] == (w.vllm_config, "cuda:0")
+
+
+# ---------------------------------------------------------------------- on a GPU (make device-check)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make device-check)")
+
+
+@cuda
+def test_cuda_core_moves_one_launch_from_pinned_staging():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vtoken.kernels import move_tokens_paged_reference
+
+    for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC):
+        _, views = vllm_kv_views(layout, num_layers=3, num_blocks=64, block_size=16, num_kv_heads=2, head_size=64,
+                                 dtype=torch.bfloat16, device="cuda")
+        for v in views:
+            v.copy_(torch.randn(v.shape, device="cuda").to(torch.bfloat16))
+        ref = [v.clone() for v in views]
+        core = _core(views, layout.name)
+        for step in range(4):  # more steps than staging buffers: reuse waits on the previous copy's event
+            perm = torch.randperm(64 * 16, generator=torch.Generator().manual_seed(step))
+            src, dst = perm[:100].numpy(), perm[100:200].numpy()
+            move_tokens_paged_reference(ref, torch.from_numpy(src).cuda(), torch.from_numpy(dst).cuda())
+            core.begin_step(StepPayload(src=src, dst=dst))
+        torch.cuda.synchronize()
+        assert all(torch.equal(v.view(torch.int16), r.view(torch.int16)) for v, r in zip(views, ref))
+        assert core.moves_launched == 4 and core._staging.copies == 8 and core._staging.waits == 6
+
+
+@cuda
+def test_cuda_gpu_step_scores_equal_cpu_step_scores():
+    from vtoken.integrations.vllm.gpu_runner import GPUStepScores
+    from vtoken.integrations.vllm.scoring import StepScores
+
+    views, meta, query, impl, rows, qsl, n = _score_case(1)
+    lay = PagedKVLayout("LBNHC")
+    ref = StepScores(rows)
+    got = GPUStepScores(rows, lambda: (qsl, n))
+    cmeta = SimpleNamespace(query_start_loc=meta.query_start_loc.cuda(), seq_lens=meta.seq_lens.cuda(),
+                            block_table=meta.block_table.cuda())
+    for kv in views:
+        ref.accumulate(impl, query, kv, meta, lay)
+        got.accumulate(impl, query.cuda(), kv.cuda(), cmeta, lay)
+    r, o = ref.result(), got.result()
+    assert sorted(r) == sorted(o)
+    for rid in r:
+        for x, y in zip(r[rid], o[rid]):
+            assert (x is None) == (y is None)
+            if x is not None:
+                np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
