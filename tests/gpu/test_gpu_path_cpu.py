@@ -48,11 +48,13 @@ class FakePlatform:
         return self.kind == "cpu"
 
 
-def _vcfg(backend=None, block_size=16, per_kind=None):
+def _vcfg(backend=None, block_size=16, per_kind=None, dtype=None):
+    import torch
     from vllm.config.attention import AttentionConfig
 
     ac = AttentionConfig(backend=backend, backend_per_kind=per_kind or {})
-    return SimpleNamespace(attention_config=ac, cache_config=SimpleNamespace(block_size=block_size))
+    return SimpleNamespace(attention_config=ac, cache_config=SimpleNamespace(block_size=block_size),
+                           model_config=SimpleNamespace(dtype=dtype or torch.bfloat16))
 
 
 def _backend_msg(name, detail=None):
@@ -86,6 +88,22 @@ def test_cuda_backend_per_kind_refused_by_name():
         platforms.check_platform(_vcfg("FLASH_ATTN", per_kind={"full_attention": AttentionBackendEnum.TRITON_ATTN}),
                                  FakePlatform("cuda"))
     assert str(ei.value) == _backend_msg("TRITON_ATTN")
+
+
+@pytest.mark.parametrize("backend,dtype,ok", [(None, "float16", True), ("FLASH_ATTN", "bfloat16", True),
+                                              (None, "float32", False), ("FLASH_ATTN", "float32", False)])
+def test_cuda_model_dtype_flash_attn_cannot_run_refused(backend, dtype, ok):
+    import torch
+
+    cfg = _vcfg(backend, dtype=getattr(torch, dtype))
+    if ok:
+        assert platforms.check_platform(cfg, FakePlatform("cuda")).endswith("VTokenGPUWorker")
+        return
+    with pytest.raises(VTokenConfigError) as ei:
+        platforms.check_platform(cfg, FakePlatform("cuda"))
+    assert str(ei.value) == _backend_msg(backend or "auto", f"--dtype {dtype}: FlashAttention runs float16 and "
+                                         "bfloat16 only, so vLLM would pick another backend; use --dtype bfloat16 "
+                                         "or float16")
 
 
 @pytest.mark.parametrize("kind,name", [("rocm", "ROCm"), ("tpu", "TPU"), ("xpu", "XPU"), ("oot", "npu")])

@@ -161,7 +161,7 @@ class GPUStepScores:
             self._out = self.plan.new_out(dev)
             self._lse = torch.empty(max(1, self.plan.lse_rows), Hq, dtype=torch.float32, device=dev)
             self._logits = torch.empty(max(1, self.plan.logits_per_head * Hq), dtype=torch.float32, device=dev)
-        score_attention(query.view(-1, Hq, hd), kv_cache, meta.block_table, self.plan, self._out,
+        score_attention(query.reshape(-1, Hq, hd), kv_cache, meta.block_table, self.plan, self._out,
                         scale=impl.scale, lse=self._lse, logits=self._logits)
 
     def result(self) -> dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]:

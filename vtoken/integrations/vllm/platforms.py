@@ -109,7 +109,8 @@ def check_platform(vcfg, platform) -> str:
 
     Raises:
         VTokenConfigError: ``platform = 'ROCm': ...`` for ROCm, TPU, XPU and out-of-tree platforms;
-            ``--attention-backend = '<NAME>': ...`` on CUDA for any backend but FLASH_ATTN;
+            ``--attention-backend = '<NAME>': ...`` on CUDA for any backend but FLASH_ATTN, and for a
+            model dtype FlashAttention cannot run (float32: vLLM would pick another backend);
             ``--block-size = <n>: ...`` for a block size the backend cannot use.
     """
     block_size = vcfg.cache_config.block_size
@@ -121,6 +122,13 @@ def check_platform(vcfg, platform) -> str:
     if platform.is_cuda():  # NVIDIA only: ROCm answers is_rocm() (is_cuda_alike() covers both)
         check_cuda_backend(vcfg)
         from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        dtype = getattr(getattr(vcfg, "model_config", None), "dtype", None)
+        if dtype is not None and dtype not in FlashAttentionBackend.supported_dtypes:
+            name = str(dtype).removeprefix("torch.")
+            refusals.refuse("attention_backend", backend_name(vcfg.attention_config.backend) or "auto",
+                            f"--dtype {name}: FlashAttention runs float16 and bfloat16 only, so vLLM would pick "
+                            "another backend; use --dtype bfloat16 or float16")
 
         if block_size is not None:
             check_block_size(block_size, FlashAttentionBackend)
