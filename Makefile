@@ -76,10 +76,13 @@ bench-full: assets
 # tensors, move bandwidth vs a device copy, scorer timing, the oracle matrix on the CUDA worker under
 # eager and default CUDA graphs, step time off / on / evicting -> benchmarks/results/device_check.json.
 # Without CUDA it says so in one line and runs the interpreter subset (no JSON).
-# Needs an installed .venv (make install-gpu on NVIDIA machines; make install on CPU ones).
+# Uses .venv (make install-gpu on NVIDIA machines; make install on CPU ones), else the python3 on PATH
+# if it imports torch (a machine with vLLM's CUDA build preinstalled). DEVICE_CHECK_ARGS: e.g. --budget-s 300.
+DEVICE_CHECK_ARGS ?=
 device-check:
-	@test -x $(VPY) || { echo "device-check: no $(VPY); run make install-gpu (NVIDIA) or make install"; exit 1; }
-	$(VPY) benchmarks/device_check.py
+	@PYBIN=$(VPY); test -x "$$PYBIN" || PYBIN=$$(command -v python3); \
+	  "$$PYBIN" -c "import torch" 2>/dev/null || { echo "device-check: no Python with torch ($(VPY) or python3); run make install-gpu (NVIDIA) or make install"; exit 1; }; \
+	  echo "device-check: $$PYBIN"; PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} "$$PYBIN" benchmarks/device_check.py $(DEVICE_CHECK_ARGS)
 
 patches-check: install
 	$(VPY) -m vtoken.patches check

@@ -15,12 +15,16 @@ time is recorded as such and the next one still runs), writing the JSON after ev
 4. the oracle matrix on the CUDA worker (FlashAttention, vLLM's default runner and scheduling):
    5 policies x 3 budgets x 2 prompt lengths on the tiny model (built locally, no network), once
    with ``cudagraph_mode=NONE`` (eager, same compilation) and once with vLLM's default CUDA graphs
-   (``FULL_AND_PIECEWISE``); the tokens must be equal in both, no scored step may have replayed a
+   (``FULL_AND_PIECEWISE``), both in vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``: no
+   FlashAttention KV splits, so a graph replay computes what the eager step does; plain mode if
+   vLLM refuses it); the tokens must be equal in both, no scored step may have replayed a
    FULL graph (``route``), and each run is compared with the dense oracle (float32, reported:
    the engine runs bf16, FlashAttention has no fp32);
 5. step time: stock vLLM (plugin not loaded), vToken on without eviction (a budget above every
    length), vToken on evicting, with default CUDA graphs (SmolLM2-135M when its assets are on the
-   machine, else the tiny model).
+   machine, else the tiny model);
+6. when time is left: the oracle matrix on the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``) with
+   default CUDA graphs, tokens equal to Model Runner V2's.
 
 and writes ``benchmarks/results/device_check.json``. Without CUDA it prints one line saying so
 and runs the interpreter subset of the same tests (``TRITON_INTERPRET=1`` on CPU tensors); it
@@ -301,15 +305,22 @@ def run_oracle_matrix(deadline: Deadline, part_s: float) -> dict[str, Any]:
     end = time.monotonic() + min(part_s, deadline.left())
     model = str(ensure_tiny_model())
     reqs = oracle_requests()
+    # vLLM's batch-invariant mode: FlashAttention without KV splits and batch-invariant kernels in both
+    # runs, so eager and graph replays compute the same numbers and any token difference is vToken's
+    env = None if DRY_RUN_CPU else {"VLLM_BATCH_INVARIANT": "1"}
     res: dict[str, Any] = dict(model="tiny-llama (2 layers, 2 q heads, 1 kv head, head 64)", requests=len(reqs),
-                               new_tokens=NEW_TOKENS, vtoken=BASE_VTOKEN, runs={})
+                               new_tokens=NEW_TOKENS, vtoken=BASE_VTOKEN, env=env, runs={})
     for name, eager in (("eager", True), ("cuda_graphs", False)):
         left = end - time.monotonic() - 20  # keep time for the oracle comparison
         if left < 45:
             res["runs"][name] = dict(status="skipped: out of time")
             continue
-        out = _engine(dict(engine=engine_kw(model, eager=eager), vtoken=BASE_VTOKEN, requests=reqs, hooks=HOOKS,
-                           check=True), timeout=left)
+        spec = dict(engine=engine_kw(model, eager=eager), vtoken=BASE_VTOKEN, requests=reqs, hooks=HOOKS, check=True)
+        out = _engine(spec, timeout=left, env=env)
+        if out.get("status") == "failed" and env and name == "eager":  # batch-invariant mode refused: plain mode
+            res["batch_invariant_error"] = out.get("error")
+            env = res["env"] = None
+            out = _engine(spec, timeout=end - time.monotonic() - 20 - 45)
         res["runs"][name] = {k: out.get(k) for k in ("status", "seconds", "error", "timeout_s", "paths", "route",
                                                       "runner", "moves_launched", "steps", "wall_s")}
         if out.get("status") == "ran":
@@ -349,8 +360,44 @@ def run_oracle_matrix(deadline: Deadline, part_s: float) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             res["oracle"] = dict(error=f"{type(exc).__name__}: {exc}")
     for n in ran:
-        runs[n].pop("tokens", None)
-    res["ok"] = bool(res.get("tokens_equal")) and res["full_graph_on_scored_steps"] == 0 and route.get("scored", 0) > 0
+        _TOKENS[n] = runs[n].pop("tokens", None)
+    _TOKENS["env"] = res["env"]
+    runner = (runs.get("cuda_graphs", {}).get("paths") or {}).get("runner") or ""
+    res["runner_is_vtoken_gpu"] = runner.startswith("vtoken.integrations.vllm.gpu_runner.")
+    res["ok"] = (bool(res.get("tokens_equal")) and res["full_graph_on_scored_steps"] == 0
+                 and route.get("scored", 0) > 0 and res["runner_is_vtoken_gpu"])
+    return res
+
+
+#: tokens of the oracle-matrix runs (run name -> request id -> tokens), for the V1 comparison
+_TOKENS: dict[str, Any] = {}
+
+
+def run_oracle_matrix_v1(deadline: Deadline, part_s: float) -> dict[str, Any]:
+    """Part 6 (when time is left): the same matrix on the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``),
+    default CUDA graphs; tokens must equal Model Runner V2's eager run (same scheduling, same lag)."""
+    from vtoken.assets.paths import ensure_tiny_model
+
+    left = min(part_s, deadline.left()) - 5
+    if left < 45:
+        return dict(status="skipped: out of time", ok=True)
+    reqs = oracle_requests()
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if _TOKENS.get("env"):
+        env.update(_TOKENS["env"])  # the matrix's batch-invariant mode, when it ran in it
+    out = _engine(dict(engine=engine_kw(str(ensure_tiny_model()), eager=False), vtoken=BASE_VTOKEN, requests=reqs,
+                       hooks=HOOKS, check=True), timeout=left, env=env)
+    res = {k: out.get(k) for k in ("status", "seconds", "error", "timeout_s", "paths", "route", "runner",
+                                   "moves_launched")}
+    ref = _TOKENS.get("eager")
+    if out.get("status") == "ran" and ref:
+        diff = [r["id"] for r in reqs if out["tokens"].get(r["id"]) != ref.get(r["id"])]
+        res["tokens_equal_to_mrv2_eager"] = not diff
+        res["differing_requests"] = diff
+    route = res.get("route") or {}
+    res["ok"] = (out.get("status") == "ran" and bool(res.get("tokens_equal_to_mrv2_eager"))
+                 and (route.get("modes") or {}).get("FULL", 0) == 0)
+    print(f"oracle matrix, V1 runner + CUDA graphs: {out.get('status')} in {out.get('seconds')} s; route {route}")
     return res
 
 
@@ -411,7 +458,7 @@ def run_step_time(deadline: Deadline, part_s: float) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ main
-PART_S = dict(kernel_tests=110, bench=45, oracle_matrix=170, step_time=120)
+PART_S = dict(kernel_tests=90, bench=40, oracle_matrix=200, step_time=120, oracle_matrix_v1=90)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -497,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_engine:
         part("oracle_matrix", lambda: run_oracle_matrix(deadline, PART_S["oracle_matrix"]), lambda r: r["ok"])
         part("step_time", lambda: run_step_time(deadline, PART_S["step_time"]), lambda r: r["ok"])
+        if deadline.left() >= 50:  # optional: only when the box has room left
+            part("oracle_matrix_v1", lambda: run_oracle_matrix_v1(deadline, PART_S["oracle_matrix_v1"]),
+                 lambda r: r["ok"])
     result["complete"] = True
     result["ok"] = bool(oks) and all(oks.values())
     result["seconds"] = round(time.perf_counter() - t0, 1)
