@@ -142,16 +142,6 @@ def test_layer_backends_checked_after_load():
     assert str(ei.value) == _backend_msg("TRITON_ATTN", "layer l1; vLLM picked it for this GPU and model")
 
 
-def test_plugin_uses_platform_check():
-    """The plugin takes the worker class from check_platform (no CPU-only branch left)."""
-    from pathlib import Path
-
-    src = (Path(platforms.__file__).parent / "plugin.py").read_text()
-    assert "worker_cls = platforms.check_platform(vcfg, current_platform)" in src
-    assert "vcfg.parallel_config.worker_cls = worker_cls" in src
-    assert "is_cpu()" not in src
-
-
 # ---------------------------------------------------------------------- CUDA graph routing
 SIZES = [1, 2, 4, 8]
 
