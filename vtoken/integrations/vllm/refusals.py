@@ -89,11 +89,16 @@ REFUSALS: tuple[Refusal, ...] = (
             "the scorer computes softmax(q K^T * scale) without the cap, so its scores are not the model's"),
     Refusal("sinks", "learned attention sinks (model feature, e.g. gpt-oss)", "start-up",
             "the scorer's softmax has no sink logit, so its scores are not the model's"),
-    Refusal("block_size", "--block-size not usable by the CPU attention backend", "start-up",
-            "the CPU backend needs a multiple of 32 (stock vLLM fails later, inside the worker)"),
-    Refusal("platform", "a platform other than vLLM's CPU backend (e.g. CUDA)", "start-up",
-            "the GPU worker (FlashAttention layouts, a scoring kernel, CUDA graphs) is not built yet; "
-            "the Triton move and scoring kernels in vtoken/kernels/ are ready for it"),
+    Refusal("block_size", "--block-size not usable by the attention backend", "start-up",
+            "the CPU backend needs a multiple of 32, FlashAttention a multiple of 16 (stock vLLM fails later, "
+            "inside the worker, or splits blocks, which vToken's block tables do not follow)"),
+    Refusal("platform", "platform other than vLLM's CPU backend or NVIDIA CUDA (e.g. ROCm, TPU, XPU)", "start-up",
+            "only the CPU worker and the CUDA worker (FlashAttention) are built; the other platforms' KV layouts, "
+            "attention kernels and graph modes are untested"),
+    Refusal("attention_backend", "--attention-backend other than FLASH_ATTN (CUDA)", "start-up",
+            "the CUDA worker implements FlashAttention's KV layout, block sizes and CUDA graph behaviour only; "
+            "FLASHINFER, TRITON_ATTN and the other GPU backends are untested (FlashInfer also treats the seq_lens "
+            "upper bound as exact); pass --attention-backend FLASH_ATTN"),
     Refusal("scheduler_cls", "--scheduler-cls", "start-up",
             "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
             "async scheduling)"),
@@ -115,14 +120,14 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
 
     Raises:
         VTokenConfigError: ``<option> = <value>: vToken does not support it yet (<reason>[; <detail>])``
-            for an option; ``--model = <value>: vToken does not support it yet (<feature>[; <detail>]:
+            for an option (``platform = <value>: ...`` for the platform); ``--model = <value>: vToken does not support it yet (<feature>[; <detail>]:
             <reason>)`` for a model feature (the one error format of ``vtoken.config``).
         KeyError: ``key`` is not in the table (a refusal the README would not list).
     """
     r = _BY_KEY[key]
     # the one error format (vtoken.config): "<where> = <value>: <problem>"
     extra = f"; {detail}" if detail else ""
-    if r.option.startswith("--"):
+    if r.option.startswith("--") or r.key == "platform":
         option = r.option.split(" ", 1)[0]
         raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
     raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")
