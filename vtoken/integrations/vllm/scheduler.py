@@ -472,9 +472,12 @@ class VTokenSchedulerMixin:
         s = self.vt_stats
         live = logical = retained = naive = dense = evicting = 0
         for rid, st in self._vt_states.items():
+            held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            if st.resuming and not held:
+                continue  # preempted, waiting to resume: holds nothing
             live += st.table.num_live
             logical += st.table.num_logical
-            retained += len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            retained += held
             naive += st.naive.num_retained_blocks
             dense += cdiv(st.table.num_live, self._vt_bs)
             evicting += st.table.offset > 0
