@@ -45,7 +45,8 @@ step ``d`` in it, after that step's eviction decision, the cache is dropped with
 statistic not yet folded in, and the step's forward is a fresh prefill of the live tokens
 (ascending logical order, their token ids at their logical positions) followed by the new
 token; it is scored like a prefill. The policy state and the live set are kept. Decoding
-then continues as usual.
+then continues as usual; as after the first prefill, eviction resumes at decode step
+``d + 1`` (``d + 1 + L`` for a scoring policy, once the re-prefill's statistics are in).
 
 This module never imports vllm.
 """
@@ -374,6 +375,8 @@ def oracle_generate(
                 # tokens (logical order, logical positions) and the new token
                 cache = DynamicCache(config=model.config)
                 lagq.clear()
+                if state is not None:
+                    first_evict = d + first_evicting_decode_step(need, score_lag)
                 ids = [prompt[p] if p < P else out_tokens[p - P] for p in logical_pos.tolist()] + [tok]
                 positions = np.concatenate([logical_pos, new_pos])
                 logical_pos = positions.copy()

@@ -1,7 +1,7 @@
 """Preemption of an evicting request (issue 15, item 8): it resumes by re-prefilling only its live
 tokens, at their logical positions, into dense slots (``docs/integration.md``, "Preemption").
 
-One engine per execution path: a pool of 9 usable blocks (block size 32). ``off`` (eviction off,
+One engine per run (V1 sync; MRV2 async, with the re-prefill whole and chunked): a pool of 9 usable blocks (block size 32). ``off`` (eviction off,
 150-token prompt, 100 new tokens) grows from 5 to 8 blocks; ``v`` (h2o, budget 40, slack 0,
 100-token prompt, admitted one step later) is cut to 2 blocks at its first decode step, then
 preempted when ``off`` needs its 8th block (FCFS: the last admitted request goes), with about
@@ -45,14 +45,21 @@ def tiny() -> str:
     return str(ensure_tiny_model())
 
 
-@pytest.fixture(scope="module", params=["v1-sync", "mrv2-async"])
+#: (execution path, max_num_batched_tokens): with 32 the re-prefill of the 41 live tokens (and
+#: the prompts) is chunked, under async scheduling
+RUNS = [("v1-sync", None), ("mrv2-async", None), ("mrv2-async", 32)]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{p}-{c or 'whole'}" for p, c in RUNS])
 def run(request, tiny):
-    path = request.param
+    path, chunk = request.param
     eng = dict(model=tiny, dtype="float32", max_model_len=288, block_size=B, enforce_eager=True,
                gpu_memory_utilization=0.1, num_gpu_blocks_override=10, skip_tokenizer_init=True)
+    if chunk:
+        eng["max_num_batched_tokens"] = chunk
     hooks = f"{Path(__file__).resolve().parent / '_preempt_hooks.py'}:PreemptProbe"
     out = run_in_subprocess(dict(engine=eng, vtoken=VT, requests=_requests(), hooks=hooks), env=path_env(path))
-    return path, out
+    return path, chunk, out
 
 
 def _finished(out: dict, ext_id: str) -> dict:
@@ -60,7 +67,7 @@ def _finished(out: dict, ext_id: str) -> dict:
 
 
 def test_all_finish_and_the_pool_returns(run):
-    path, out = run
+    path, _, out = run
     assert out["paths"] == EXPECTED[path]
     assert out["finish"] == {"off": "length", "v": "length"}
     assert len(out["tokens"]["off"]) == 100 and len(out["tokens"]["v"]) == NEW_V
@@ -71,7 +78,7 @@ def test_all_finish_and_the_pool_returns(run):
 def test_resume_holds_live_blocks_only(run):
     """Measured in vLLM's KV manager right after the step that resumed ``v``: it holds at most
     ceil((budget + slack + 1)/B) blocks, far below the ceil(logical/B) a full re-prefill takes."""
-    _, out = run
+    _, chunk, out = run
     assert out["preempted_steps"].get("v"), "v was not preempted: the scenario no longer forces a preemption"
     assert "off" not in out["preempted_steps"]
     resumes = [r for r in out["resumes"] if r["req"] == "v"]
@@ -80,13 +87,15 @@ def test_resume_holds_live_blocks_only(run):
     for r in resumes:
         assert r["blocks"] <= bound, r
         assert math.ceil(r["num_tokens"] / B) >= bound + 3, r  # a full re-prefill would need far more
-    # the scheduler's own record agrees (blocks when the re-prefill was scheduled)
+    # the scheduler's own record (blocks when the re-prefill's last chunk was scheduled)
     log = _finished(out, "v")["preempt_log"]
-    assert len(log) == len(resumes) and all(0 < b <= bound for _, b in log), log
+    assert len(log) == len(resumes) and all(b == bound for _, b in log), log
+    if chunk:  # the first chunk re-prefilled 32 of the 41 live tokens: one block so far
+        assert resumes[0]["blocks"] == 1, resumes
 
 
 def test_tokens_equal_oracle_replaying_the_preemption(run, tiny):
-    path, out = run
+    path, _, out = run
     import torch
 
     from vtoken.oracle import load_oracle_model, oracle_generate

@@ -15,7 +15,7 @@ from typing import Any
 from vtoken.config import VTokenConfig
 from vtoken.policies.base import EvictionPolicy, SlotState
 from vtoken.repack import NaiveEvictCounter
-from vtoken.score_lag import ScoreLagQueue
+from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step
 from vtoken.token_table import TokenTable
 
 __all__ = ["RequestState", "VTokenStats", "cdiv"]
@@ -91,7 +91,9 @@ class RequestState:
         causal attention sees them in the order the dense oracle does), the policy state is
         permuted with them, pending attention statistics are dropped (the oracle drops them
         too) and a new ``generation`` makes any in-flight step's statistics stale. The
-        re-prefill is recorded as decode step ``decode_steps + 1``.
+        re-prefill is recorded as decode step ``d = decode_steps + 1``; eviction resumes at
+        decode step ``d + first_evicting_decode_step(needs, lag)`` (``d + 1``, or ``d + 1 + lag``
+        for a scoring policy), as after the first prefill.
         """
         order = self.table.sort_by_position()
         self.pstate.compact(order)
@@ -99,6 +101,9 @@ class RequestState:
         self.generation = next(_generation)
         if not self.resuming:
             self.preempt_log.append([self.decode_steps + 1, -1])
+        # as after the first prefill: a scoring policy evicts again once the re-prefill's
+        # statistics are folded in (decode step d + 1 + lag), whatever its chunking
+        self.first_evict = self.preempt_log[-1][0] + first_evicting_decode_step(self.policy.needs, self.lag.lag)
         self.decoding = False
         self.resuming = True
         self.refill = self.table.num_live
