@@ -3,7 +3,8 @@ vLLM's KV manager, the blocks a preempted request holds right after the step tha
 
 Output key ``resumes``: per resume, ``{"req", "step", "blocks", "num_tokens"}`` (engine step of
 the group, blocks held in the full-attention manager, the request's logical token count);
-``preempted_steps``: request id -> engine steps at which vLLM preempted it.
+``preempted_steps``: request id -> engine steps at which vLLM preempted it; ``finished_at``:
+request id -> the engine step after which it had finished.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class PreemptProbe(RunHooks):
         self.resumes: list[dict] = []
         self.preempted: dict[str, list[int]] = {}
         self.step = 0
+        self.finished_at: dict[str, int] = {}
         orig = sched._preempt_request
 
         def _preempt_request(request, *a, **k):
@@ -31,6 +33,8 @@ class PreemptProbe(RunHooks):
         self.step = run.step
 
     def after_step(self, run) -> None:
+        for ext in run.finish:
+            self.finished_at.setdefault(ext, run.step)
         mgr = self.sched.kv_cache_manager.coordinator.single_type_managers[0]
         running = {r.request_id: r for r in self.sched.running}
         for rid in list(self.pending):
@@ -43,4 +47,5 @@ class PreemptProbe(RunHooks):
     def group_done(self, run) -> dict:
         ext = {iid: ext for ext, iid in run.iid_of.items()}
         return dict(resumes=[dict(r, req=ext.get(r["req"], r["req"])) for r in self.resumes],
-                    preempted_steps={ext.get(k, k): v for k, v in self.preempted.items()})
+                    preempted_steps={ext.get(k, k): v for k, v in self.preempted.items()},
+                    finished_at=dict(self.finished_at))
