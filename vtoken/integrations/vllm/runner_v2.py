@@ -12,7 +12,9 @@ Seams (patches/ entries under ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``
   of its block tables, so the payload carries the ids).
 * ``prepare_attn``: the slot mapping is computed from **physical** positions
   (``dataclasses.replace(input_batch, positions=physical)``); everything else, RoPE and the
-  sampler included, keeps the logical ``input_batch.positions``.
+  sampler included, keeps the logical ``input_batch.positions``. Tokens that re-prefill a
+  resumed request's live tokens then get their ids and logical positions written over
+  ``input_batch.input_ids`` / ``positions`` in place (the forward reads them).
 * ``model_state.prepare_attn`` (wrapped per instance in ``load_model``): attention metadata is
   built from physical ``seq_lens`` and ``seq_lens_cpu_upper_bound`` held in separate
   tensors. ``input_batch.seq_lens`` itself stays logical: Model Runner V2's
@@ -96,9 +98,17 @@ class VTokenV2Adapter:
         self._vt_batch_off = off
         self._vt.start_scoring(req_ids)
         if off is None:
-            return super().prepare_attn(input_batch)
-        phys = self._vt_physical_positions(input_batch, off)
-        return super().prepare_attn(dataclasses.replace(input_batch, positions=phys))
+            res = super().prepare_attn(input_batch)
+        else:
+            phys = self._vt_physical_positions(input_batch, off)
+            res = super().prepare_attn(dataclasses.replace(input_batch, positions=phys))
+        fix = self._vt.refill_inputs(req_ids, input_batch.query_start_loc_np)
+        if fix is not None:  # resumed live tokens: ids and logical (RoPE) positions, after the slot mapping
+            idx, pos, ids = fix
+            p, t = input_batch.positions, input_batch.input_ids
+            p[idx.to(p.device)] = pos.to(p.device, p.dtype)
+            t[idx.to(t.device)] = ids.to(t.device, t.dtype)
+        return res
 
     def _vt_physical_positions(self, input_batch, off: np.ndarray) -> torch.Tensor:
         """``input_batch.positions`` minus each token's request offset (a new tensor)."""

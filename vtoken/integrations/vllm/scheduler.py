@@ -23,9 +23,14 @@ and so when eviction starts, is decided here from scheduler state, never from wh
 arrive: async and sync scheduling make the same decisions for score-free policies.
 
 ``update_from_output`` stores the statistics the workers send back, against the step they
-came from. Preemption and finish both go through ``_free_request_blocks``, where the
-request's vToken state is dropped (a preempted request re-prefills all its logical tokens
-from scratch, gets a new state and is evicted again).
+came from. Preemption and finish both go through ``_free_request_blocks``. A preempted
+request that is decoding under ``mode: vtoken`` keeps its state (token table, policy state;
+:meth:`RequestState.prepare_resume`) and resumes by re-prefilling only its live tokens:
+``_preempt_request`` sets its ``num_computed_tokens`` to its offset (the evicted tokens count
+as done), so vLLM schedules ``live + 1`` tokens and the KV manager allocates
+``ceil((live + 1)/B)`` blocks; the payload's ``refill`` tells the workers the live tokens'
+ids and logical positions. Otherwise (``naive``, or a preemption during the first prefill)
+the state is dropped and the request starts again from its prompt.
 
 A fault confined to one request (a policy error, statistics of the wrong length) turns
 eviction off for that request only, logs an error naming it and counts it in
@@ -177,7 +182,7 @@ class VTokenSchedulerMixin:
             st = self._vt_states.get(rid)
             placeholders = getattr(req, "num_output_placeholders", 0)
             new = max(0, min(req.num_tokens + placeholders - req.num_computed_tokens, cap))
-            live = st.table.num_live if st is not None else req.num_computed_tokens
+            live = st.table.num_live - st.refill if st is not None else req.num_computed_tokens
             demand += max(0, cdiv(live + new, bs) - held)
         if len(self.running) < sc.max_num_seqs:
             head = next(iter(self.waiting), None)
@@ -284,25 +289,43 @@ class VTokenSchedulerMixin:
         return out
 
     def _vt_after_scheduled(self, req, st: RequestState, n: int, payload: StepPayload) -> None:
-        """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end."""
+        """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end.
+
+        A resuming request's first ``min(n, refill)`` tokens re-prefill live tokens already in
+        its table (``payload.refill``); only the rest are appended.
+        """
         rid = req.request_id
+        if st.resuming:  # live slots below vLLM's position of this chunk (minus the offset) are done
+            st.refill = max(0, st.table.num_live - (req.num_computed_tokens - n - st.table.offset))
+        r = min(n, st.refill)
+        if r:
+            done = st.table.num_live - st.refill
+            pos = st.table.logical_pos[done:done + r].copy()
+            ids = req.all_token_ids
+            payload.refill[rid] = (pos, np.fromiter((ids[p] for p in pos), dtype=np.int64, count=r))
+            self._vt_offset_updates[rid] = st.table.offset
+            st.refill -= r
         old = st.table.num_live
-        st.table.append(n)
-        st.naive.append(n)
-        st.pstate.reset_slots(old, old + n)
-        if st.decoding:
-            st.decode_steps += 1
+        st.table.append(n - r)
+        st.naive.append(n - r)
+        st.pstate.reset_slots(old, old + n - r)
         # Every token now has KV once this step ran: the step samples, the (re-)prefill is done.
         # (Under async scheduling num_computed_tokens already counts the in-flight placeholders.)
         samples = req.num_computed_tokens >= req.num_tokens
+        held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+        if st.decoding:
+            st.decode_steps += 1
+        elif st.resuming and samples:  # the re-prefill is the decode step it replaced
+            st.decode_steps += 1
+            st.resuming = False
+            st.preempt_log[-1][1] = held
         if st.may_evict and not st.faulted and st.policy.needs != AttentionNeed.NONE and (
             not st.decoding or st.decode_steps % st.cfg.score_every == 0
         ):
             payload.scores[rid] = st.policy.needs.value
             payload.score_steps[rid] = (st.generation, st.steps)
-            st.lag.expect(st.steps, st.table.logical_pos, sampled=samples)
+            st.lag.expect(st.steps, st.table.logical_pos[: st.table.num_live - st.refill], sampled=samples)
         st.decoding |= samples
-        held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
         naive_b = max(st.naive.num_retained_blocks, cdiv(st.table.num_live, self._vt_bs))
         full_b = cdiv(st.table.num_logical, self._vt_bs)
         st.steps += 1
@@ -408,6 +431,12 @@ class VTokenSchedulerMixin:
     def _free_request_blocks(self, request):
         super()._free_request_blocks(request)
         rid = request.request_id
+        st = self._vt_states.get(rid)
+        if st is not None and not request.is_finished() and st.cfg.mode == "vtoken" and (st.decoding or st.resuming):
+            # Preempted while decoding: keep the token table; resume with the live tokens only.
+            st.prepare_resume()
+            self.vt_stats.preemption_resets += 1
+            return
         st = self._vt_states.pop(rid, None)
         if st is not None:
             if st.table.offset:
@@ -419,6 +448,21 @@ class VTokenSchedulerMixin:
         if request.is_finished():
             self._vt_req_cfg.pop(rid, None)
 
+    def _preempt_request(self, request, *args, **kwargs):
+        """vLLM's preemption, then: a request whose state was kept resumes at its offset.
+
+        Its ``num_computed_tokens`` becomes ``logical - live`` (vLLM reset it to 0): the
+        evicted tokens count as done, so at resume vLLM schedules the ``live`` tokens plus
+        the last sampled one, the KV manager allocates blocks for those only (through
+        :class:`BlockAccounting`), and no prefix-cache lookup is made (vLLM looks up only
+        requests with ``num_computed_tokens == 0``; a request that never evicted resumes at
+        0 and re-prefills everything, as stock).
+        """
+        super()._preempt_request(request, *args, **kwargs)
+        st = self._vt_states.get(request.request_id)
+        if st is not None and st.resuming:
+            request.num_computed_tokens = st.table.offset
+
     def _vt_record_finished(self, rid: str, st: RequestState) -> None:
         if len(self.vt_finished) >= 100_000:
             del self.vt_finished[: len(self.vt_finished) // 2]
@@ -428,9 +472,12 @@ class VTokenSchedulerMixin:
         s = self.vt_stats
         live = logical = retained = naive = dense = evicting = 0
         for rid, st in self._vt_states.items():
+            held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            if st.resuming and not held:
+                continue  # preempted, waiting to resume: holds nothing
             live += st.table.num_live
             logical += st.table.num_logical
-            retained += len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            retained += held
             naive += st.naive.num_retained_blocks
             dense += cdiv(st.table.num_live, self._vt_bs)
             evicting += st.table.offset > 0
