@@ -9,7 +9,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 # make serve: SmolLM2 with vToken on (H2O; a budget that evicts on ShareGPT-length chats)
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
-SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
+SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912 --no-enable-prefix-caching
 
 .PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality patches-check device-check clean
 

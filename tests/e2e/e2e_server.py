@@ -27,7 +27,7 @@ HTTP_TIMEOUT_S = 180
 SERVER_ARGS = [
     "--gpu-memory-utilization", "0.2", "--num-gpu-blocks-override", str(NUM_BLOCKS),
     "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
-    "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
+    "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8", "--no-enable-prefix-caching",
 ]
 
 

@@ -54,7 +54,7 @@ def main(model: str) -> None:
     for name, (kind, kw) in CASES.items():
         vp.current_platform = Seen(real, kind)
         try:
-            ea = EngineArgs(model=model, block_size=32, skip_tokenizer_init=True,
+            ea = EngineArgs(model=model, block_size=32, skip_tokenizer_init=True, enable_prefix_caching=False,
                             additional_config={"vtoken": {"policy": "h2o", "budget": 64}}, **kw)
             out[name] = dict(worker=ea.create_engine_config().parallel_config.worker_cls)
         except Exception as exc:  # noqa: BLE001 - reported to the test

@@ -12,8 +12,9 @@ with the plugin, then checks in the same (front-end) process:
 * item 5: KV-cache dtypes outside the allowlist (``fp8_e5m2``, ``turboquant_k8v4``) are refused
   naming ``--kv-cache-dtype`` and the allowed values; ``bfloat16`` and fp16 models are accepted;
 * item 6: a streaming-input (resumable) request is refused by name;
-* item 10: start-up logs exactly one vToken warning, naming prefix caching and why; none when
-  the user already turned it off.
+* item 10: vToken changes no vLLM setting (compared with stock on the same arguments) and logs
+  no warning; prefix caching, which it cannot follow yet, is refused by name, whether on by
+  vLLM's default or by ``--enable-prefix-caching``.
 
 Part 2, one OpenAI server (``tests/e2e/e2e_server.run_server``) started with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` inherited (the API server still runs its EngineCore in
@@ -24,14 +25,13 @@ its own process) and engine config ``{"policy": "h2o", "budget": 64, "sink_token
 * item 2: ``vllm_xargs: {"vtoken_budget": true}`` is HTTP 400 with the start-up message shape,
   ``"vtoken_enable": false`` (a JSON boolean too) is served;
 * item 9: ``/metrics`` shows the EngineCore's ``vtoken:`` metrics, and they moved;
-* item 10: the server log holds exactly the one prefix-caching warning of vToken.
+* item 10: the server log holds no vToken warning.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -42,15 +42,13 @@ import pytest
 from e2e_server import MODEL_NAME, run_server
 
 from vtoken.config import VTokenConfigError, parse_config
-from vtoken.integrations.vllm.refusals import OVERRIDES, REFUSALS
+from vtoken.integrations.vllm.refusals import REFUSALS
 
 HERE = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.engine
 
 ENGINE_VT = {"policy": "h2o", "budget": 64, "sink_tokens": 4}
-PREFIX_WARNING = ("vToken: prefix caching turned off (--no-enable-prefix-caching): repacking live tokens "
-                  "changes block contents, so block hashes would lie")
 
 
 def _start_up_msg(vt: dict) -> str:
@@ -107,7 +105,7 @@ def _model_dirs(tiny: str, root: Path) -> dict[str, str]:
 
 def _engine(model: str, vt=ENGINE_VT, **extra) -> dict:
     e = dict(model=model, dtype="float32", block_size=32, gpu_memory_utilization=0.1, num_gpu_blocks_override=64,
-             max_model_len=256, enforce_eager=True)
+             max_model_len=256, enforce_eager=True, enable_prefix_caching=False)
     if vt is not None:
         e["additional_config"] = {"vtoken": vt}
     e.update(extra)
@@ -133,7 +131,8 @@ def probe(tiny_path, tmp_path_factory):
     then += [{"streaming_add_request": {}}]
     cases = [
         dict(id="base", engine=_engine(tiny_path), then=then, compare_stock=True),
-        dict(id="prefix_off", engine=_engine(tiny_path, enable_prefix_caching=False)),
+        dict(id="prefix_default", engine=_engine(tiny_path, enable_prefix_caching=None)),
+        dict(id="prefix_on", engine=_engine(tiny_path, enable_prefix_caching=True)),
         dict(id="inert", engine=_engine(tiny_path, vt=None),
              then=[{"sampling_params": {"vtoken_budget": 1}}, {"streaming_input": {}}]),
         dict(id="kv_fp8_e5m2", engine=_engine(tiny_path, kv_cache_dtype="fp8_e5m2")),
@@ -177,13 +176,14 @@ def test_inert_engine_checks_nothing(probe):
     assert r["ok"] and r["warnings"] == [] and r["then"] == [{"ok": True}, {"ok": True}], r
 
 
-def test_start_up_warns_once_per_override(probe):
-    assert probe["base"]["warnings"] == [PREFIX_WARNING]
-    assert "enable_prefix_caching" in probe["base"]["changed_fields"]
-    assert probe["prefix_off"] == {"ok": True, "warnings": [], "then": []}
-    # the README's "vToken changes" table lists exactly what is warned about
-    assert len(OVERRIDES) == 1 and "--no-enable-prefix-caching" in PREFIX_WARNING
-    assert OVERRIDES[0].reason in PREFIX_WARNING
+@pytest.mark.parametrize("case, value", [("prefix_default", "default (on)"), ("prefix_on", True)])
+def test_prefix_caching_refused_by_name(probe, case, value):
+    r = probe[case]
+    assert not r["ok"] and r["type"] == "VTokenConfigError", r
+    assert r["msg"] == (f"--enable-prefix-caching = {value!r}: vToken does not support it yet "
+                        f"({_row('prefix_caching').reason})")
+    assert "pass --no-enable-prefix-caching" in r["msg"]
+    assert probe["base"]["ok"] and probe["base"]["warnings"] == []
 
 
 def test_every_setting_vtoken_changes_is_warned_by_name(probe):
@@ -286,7 +286,6 @@ def test_server_metrics_with_multiprocessing_variable_off(server):
     assert evicted == prompt_tokens + 7 - 65, (evicted, prompt_tokens)
 
 
-def test_server_log_has_exactly_the_override_warnings(server):
+def test_server_log_has_no_vtoken_warnings(server):
     lines = [ln for ln in server.log().splitlines() if " WARNING " in ln and "vToken" in ln]
-    msgs = [re.sub(r"^.*? WARNING .*?\] ", "", ln) for ln in lines]
-    assert msgs == [PREFIX_WARNING], lines
+    assert lines == [], lines

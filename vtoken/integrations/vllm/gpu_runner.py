@@ -38,8 +38,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GPUModelRunnerV1
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # V1
+from vllm.v1.worker.gpu import model_runner  # Model Runner V2: model_runner.GPUModelRunner
 
 from vtoken.integrations.vllm import cudagraphs
 from vtoken.integrations.vllm.kv_layout import PagedKVLayout, flash_attn_kv_layout
@@ -259,7 +259,7 @@ class VTokenGPUWorkerCore(VTokenWorkerCore):
 
 
 # ---------------------------------------------------------------------- V1 runner
-class VTokenGPUModelRunner(VTokenV1Adapter, GPUModelRunnerV1):
+class VTokenGPUModelRunner(VTokenV1Adapter, GPUModelRunner):
     """V1 CUDA ``GPUModelRunner`` with vToken (module docstring; seams in ``runner_v1.py``)."""
 
     def __init__(self, *args, **kwargs):
@@ -304,7 +304,7 @@ class VTokenGPUModelRunner(VTokenV1Adapter, GPUModelRunnerV1):
 
 
 # ---------------------------------------------------------------------- Model Runner V2
-class VTokenGPUModelRunnerV2(VTokenV2Adapter, GPUModelRunnerV2):
+class VTokenGPUModelRunnerV2(VTokenV2Adapter, model_runner.GPUModelRunner):
     """Model Runner V2 CUDA ``GPUModelRunner`` with vToken (module docstring; seams in ``runner_v2.py``)."""
 
     _vt_always_physical = True

@@ -10,7 +10,7 @@ acts on requests that carry such keys.
 
 With ``vtoken`` set, the wrapper validates the config (pydantic; errors name the field,
 the value and what is allowed), refuses what vToken cannot support yet (naming the
-option), turns prefix caching off with one warning, and sets the scheduler and worker
+option; prefix caching among them), and sets the scheduler and worker
 classes. It follows vLLM's own choice of model runner (V1 or Model Runner V2) and of
 scheduling (sync or async): the scheduler class is :class:`VTokenAsyncScheduler` exactly
 when vLLM resolved ``async_scheduling`` to True, and the worker builds the adapter of the
@@ -73,12 +73,6 @@ def _wrap_create_engine_config() -> None:
         cfg = parse_config(ac["vtoken"])
         refusals.check_engine_args(self)  # refuse, naming the option, what vToken cannot do (refusals.REFUSALS)
         frontend.set_engine_config(cfg)  # request-time checks against this config (front-end process)
-        if self.enable_prefix_caching is not False:
-            logger.warning(
-                "vToken: prefix caching turned off (--no-enable-prefix-caching): repacking live tokens "
-                "changes block contents, so block hashes would lie"
-            )
-            self.enable_prefix_caching = False
         vcfg = orig(self, *args, **kwargs)
         _check_model(vcfg)
         from vllm.platforms import current_platform

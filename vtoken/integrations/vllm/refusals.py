@@ -1,8 +1,8 @@
-"""What vToken refuses, and what it changes, in one table; the checks that apply it.
+"""What vToken refuses, in one table; the checks that apply it.
 
 :data:`REFUSALS` lists every option, model feature and request kind vToken refuses (each
-with the reason); :data:`OVERRIDES` every vLLM setting it changes (each logged with one
-warning). README's "What vToken refuses" block is generated from both by
+with the reason). vToken changes no vLLM setting: what it cannot follow it refuses.
+README's "What vToken refuses" block is generated from the table by
 :func:`readme_block` (``python -m vtoken.integrations.vllm.refusals`` prints it) and
 ``tests/reliability/test_never_silent.py`` checks that the README holds exactly that block.
 Every start-up refusal is raised through :func:`refuse`, which takes a key of
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from vtoken.config import VTokenConfigError
 
-__all__ = ["Refusal", "Override", "REFUSALS", "OVERRIDES", "refuse", "check_engine_args", "check_model",
+__all__ = ["Refusal", "REFUSALS", "refuse", "check_engine_args", "check_model",
            "model_attention_features", "check_attention_layers", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block"]
 
 
@@ -45,21 +45,15 @@ class Refusal:
     reason: str
 
 
-@dataclass(frozen=True)
-class Override:
-    """One vLLM setting vToken changes when it is on (always with one warning naming it)."""
-
-    option: str
-    change: str
-    reason: str
-
-
 #: Tested KV-cache dtypes: the token-move and key-read paths are bit-exact against vLLM's
 #: packing op for these (tests/integration/test_kv_layout.py); ``auto`` means the model dtype.
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 REFUSALS: tuple[Refusal, ...] = (
+    Refusal("prefix_caching", "--enable-prefix-caching", "start-up",
+            "prefix caching is on by default in vLLM; repacking live tokens changes block contents, so block "
+            "hashes would lie; pass --no-enable-prefix-caching"),
     Refusal("speculative", "--speculative-config", "start-up",
             "speculative decoding: drafters address the KV cache by logical position"),
     Refusal("pipeline_parallel", "--pipeline-parallel-size > 1", "start-up",
@@ -107,11 +101,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "for one prompt"),
 )
 
-OVERRIDES: tuple[Override, ...] = (
-    Override("--enable-prefix-caching", "turned off (--no-enable-prefix-caching), with one warning",
-             "repacking live tokens changes block contents, so block hashes would lie"),
-)
-
 _BY_KEY = {r.key: r for r in REFUSALS}
 
 
@@ -140,6 +129,8 @@ def check_engine_args(args) -> None:
     Raises:
         VTokenConfigError: see :func:`refuse`.
     """
+    if args.enable_prefix_caching is not False:  # None: vLLM's default, which turns it on
+        refuse("prefix_caching", True if args.enable_prefix_caching else "default (on)")
     if args.speculative_config:
         refuse("speculative", args.speculative_config)
     if (args.pipeline_parallel_size or 1) > 1:
@@ -282,12 +273,10 @@ README_END = "<!-- /refusals -->"
 
 
 def readme_block() -> str:
-    """The README's refusals block (markers included), generated from the two tables."""
+    """The README's refusals block (markers included), generated from :data:`REFUSALS`."""
     lines = [README_BEGIN, "", "| vToken refuses | when | why |", "|---|---|---|"]
     lines += [f"| {r.option} | {r.when} | {r.reason} |" for r in REFUSALS]
-    lines += ["", "| vToken changes | to | why |", "|---|---|---|"]
-    lines += [f"| {o.option} | {o.change} | {o.reason} |" for o in OVERRIDES]
-    lines += ["", README_END]
+    lines += ["", "vToken changes no vLLM setting.", "", README_END]
     return "\n".join(lines)
 
 
