@@ -259,7 +259,24 @@ class VTokenGPUWorkerCore(VTokenWorkerCore):
 
 
 # ---------------------------------------------------------------------- V1 runner
-class VTokenGPUModelRunner(VTokenV1Adapter, GPUModelRunner):
+class _CUDARunnerHooks:
+    """What both CUDA runners add after vLLM's own steps: the attention-backend check once the
+    model is loaded, and FlashAttention's KV layout (checked against the caches) once they exist."""
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        from vtoken.integrations.vllm.platforms import check_layer_backends
+
+        check_layer_backends(self.compilation_config.static_forward_context)
+
+    def initialize_kv_cache(self, *args, **kwargs):
+        res = super().initialize_kv_cache(*args, **kwargs)
+        self._vt.set_layout(flash_attn_kv_layout(self.cache_config))
+        check_caches(self._vt, self.cache_config.block_size)
+        return res
+
+
+class VTokenGPUModelRunner(_CUDARunnerHooks, VTokenV1Adapter, GPUModelRunner):
     """V1 CUDA ``GPUModelRunner`` with vToken (module docstring; seams in ``runner_v1.py``)."""
 
     def __init__(self, *args, **kwargs):
@@ -282,18 +299,6 @@ class VTokenGPUModelRunner(VTokenV1Adapter, GPUModelRunner):
         n = self.input_batch.num_reqs
         return self.query_start_loc.np[: n + 1], self.optimistic_seq_lens_cpu[:n].numpy()
 
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
-        from vtoken.integrations.vllm.platforms import check_layer_backends
-
-        check_layer_backends(self.compilation_config.static_forward_context)
-
-    def initialize_kv_cache(self, *args, **kwargs):
-        res = super().initialize_kv_cache(*args, **kwargs)
-        self._vt.set_layout(flash_attn_kv_layout(self.cache_config))
-        check_caches(self._vt, self.cache_config.block_size)
-        return res
-
     def _vt_physical_inputs(self, off: np.ndarray, num_reqs: int, T: int, num_scheduled_tokens: np.ndarray) -> None:
         off_dev = self._vt_stage.copy(self._vt_off, off)  # [num_reqs] int32, pinned -> device
         self.seq_lens[:num_reqs] -= off_dev
@@ -304,7 +309,7 @@ class VTokenGPUModelRunner(VTokenV1Adapter, GPUModelRunner):
 
 
 # ---------------------------------------------------------------------- Model Runner V2
-class VTokenGPUModelRunnerV2(VTokenV2Adapter, model_runner.GPUModelRunner):
+class VTokenGPUModelRunnerV2(_CUDARunnerHooks, VTokenV2Adapter, model_runner.GPUModelRunner):
     """Model Runner V2 CUDA ``GPUModelRunner`` with vToken (module docstring; seams in ``runner_v2.py``)."""
 
     _vt_always_physical = True
@@ -328,18 +333,6 @@ class VTokenGPUModelRunnerV2(VTokenV2Adapter, model_runner.GPUModelRunner):
     def _vt_new_core(self) -> VTokenGPUWorkerCore:
         return VTokenGPUWorkerCore(self.compilation_config.static_forward_context,
                                    flash_attn_kv_layout(self.cache_config), lambda: self._vt_host)
-
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
-        from vtoken.integrations.vllm.platforms import check_layer_backends
-
-        check_layer_backends(self.compilation_config.static_forward_context)
-
-    def initialize_kv_cache(self, *args, **kwargs):
-        res = super().initialize_kv_cache(*args, **kwargs)
-        self._vt.set_layout(flash_attn_kv_layout(self.cache_config))
-        check_caches(self._vt, self.cache_config.block_size)
-        return res
 
     def update_requests(self, scheduler_output) -> None:
         # the graph manager may be (re)built after __init__: wrap its dispatch before vLLM dispatches

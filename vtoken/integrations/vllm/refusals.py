@@ -50,6 +50,10 @@ class Refusal:
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
+_CONTEXT_PARALLEL_REASON = ("context parallelism shards each request's KV cache by token across ranks (interleaved "
+                            "slots, different block-size arithmetic), so token moves and scores would need a "
+                            "cross-rank exchange")
+
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("prefix_caching", "--enable-prefix-caching", "start-up",
             "prefix caching is on by default in vLLM; repacking live tokens changes block contents, so block "
@@ -59,13 +63,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("pipeline_parallel", "--pipeline-parallel-size > 1", "start-up",
             "scores would need a cross-stage exchange"),
     Refusal("decode_context_parallel", "--decode-context-parallel-size > 1", "start-up",
-            "decode context parallelism shards each request's KV cache by token across ranks (interleaved "
-            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
-            "exchange"),
+            "decode " + _CONTEXT_PARALLEL_REASON),
     Refusal("prefill_context_parallel", "--prefill-context-parallel-size > 1", "start-up",
-            "prefill context parallelism shards each request's KV cache by token across ranks (interleaved "
-            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
-            "exchange"),
+            "prefill " + _CONTEXT_PARALLEL_REASON),
     Refusal("kv_transfer", "--kv-transfer-config", "start-up",
             "KV connectors assume positionally stable block tables"),
     Refusal("kv_events", "--kv-events-config", "start-up",
