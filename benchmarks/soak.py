@@ -87,6 +87,7 @@ def load_prompts(max_chars: int, n: int = 2000, seed: int = 0) -> list[str]:
 
 #: the soak's server shape besides each model's (vLLM options after --model/--host/--port)
 SERVER_ARGS = ["--gpu-memory-utilization", "0.1", "--block-size", "32", "--enforce-eager", "--max-num-seqs", "8"]
+# (prefix caching stays on, vLLM's default: the soak checks vToken with it)
 
 
 def start_soak_server(model: str, shape: dict, log_path: Path) -> OpenAIServer:

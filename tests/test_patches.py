@@ -111,12 +111,12 @@ def test_subclass_of_unlisted_class_and_unlisted_override(tmp_path):
             pass
 
         class Z(Scheduler):
-            def _preempt_request(self, *a, **k):
-                return super()._preempt_request(*a, **k)
+            def _update_after_schedule(self, *a, **k):
+                return super()._update_after_schedule(*a, **k)
     """))
     text = "\n".join(_scan_only(DEFAULT_ENTRIES, [mod]))
     assert "vllm.v1.core.block_pool.BlockPool: NO ENTRY" in text, text
-    assert f"{SCHED}._preempt_request: NO ENTRY" in text, text
+    assert f"{SCHED}._update_after_schedule: NO ENTRY" in text, text
 
 
 def test_runtime_overrides_are_detected(tmp_path):

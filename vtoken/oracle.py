@@ -40,6 +40,14 @@ forward) is scored iff ``d % s == 0``. Unscored steps do not call ``observe``
 when the policy needs attention; policies with ``needs == NONE`` are observed
 every step with empty stats. This convention must be the engine's too.
 
+``preempt_at`` (a preemption, replayed; ``docs/integration.md``, "Preemption"): at decode
+step ``d`` in it, after that step's eviction decision, the cache is dropped with every
+statistic not yet folded in, and the step's forward is a fresh prefill of the live tokens
+(ascending logical order, their token ids at their logical positions) followed by the new
+token; it is scored like a prefill. The policy state and the live set are kept. Decoding
+then continues as usual; as after the first prefill, eviction resumes at decode step
+``d + 1`` (``d + 1 + L`` for a scoring policy, once the re-prefill's statistics are in).
+
 This module never imports vllm.
 """
 
@@ -193,6 +201,7 @@ def oracle_generate(
     score_lag: int = 0,
     protected_prefix: int = 0,
     evict_schedule: Optional[dict[int, int]] = None,
+    preempt_at: Optional[Sequence[int]] = None,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
 
@@ -221,6 +230,9 @@ def oracle_generate(
             ``budget + slack`` rule (pressure pacing decides amounts from pool state; the
             engine records them, ``RequestState.evict_log``, and the oracle replays them;
             the victims are still the policy's choice).
+        preempt_at: decode steps (``d >= 1``) at which the request is preempted after its
+            eviction decision and resumes by re-prefilling its live tokens (module
+            docstring); the engine records them (``RequestState.preempt_log``).
 
     Returns:
         :class:`OracleResult`.
@@ -242,6 +254,9 @@ def oracle_generate(
         raise ValueError(f"oracle_generate: protected_prefix = {protected_prefix}; allowed: >= 0")
     if policy is not None and cfg is None:
         raise ValueError("oracle_generate: policy given without cfg (budget and slack come from cfg)")
+    preempt_set = {int(d) for d in (preempt_at or ())}
+    if any(d < 1 for d in preempt_set):
+        raise ValueError(f"oracle_generate: preempt_at = {sorted(preempt_set)}; allowed: decode steps >= 1")
     if eos_token_id is None:
         eos_set: set[int] = set()
     elif isinstance(eos_token_id, int):
@@ -366,6 +381,23 @@ def oracle_generate(
                 n = len(logical_pos)
                 state.reset_slots(n, n + 1)
             new_pos = np.array([num_logical], dtype=np.int64)
+            if d in preempt_set:
+                # preempted: the cache and pending statistics are gone; re-prefill the live
+                # tokens (logical order, logical positions) and the new token
+                cache = DynamicCache(config=model.config)
+                lagq.clear()
+                if state is not None:
+                    first_evict = d + first_evicting_decode_step(need, score_lag)
+                ids = [prompt[p] if p < P else out_tokens[p - P] for p in logical_pos.tolist()] + [tok]
+                positions = np.concatenate([logical_pos, new_pos])
+                logical_pos = positions.copy()
+                num_logical += 1
+                tok = sample(forward(ids, positions, scored=True, step=d))
+                out_tokens.append(tok)
+                res_live.append(len(logical_pos))
+                res_logical.append(num_logical)
+                res_evicted.append(evicted)
+                continue
             logical_pos = np.concatenate([logical_pos, new_pos])
             num_logical += 1
             scored = d % score_every == 0

@@ -153,6 +153,11 @@ class ScoreLagQueue:
         e.stats = stats if e.sampled else AttentionStats(col_sum=stats.col_sum, last_row=None)
         return True
 
+    def clear(self) -> None:
+        """Drop every pending entry (a preempted request: statistics of steps before the
+        preemption, delivered or in flight, are never folded in)."""
+        self._entries.clear()
+
     def ready(self, current_step: int) -> list[LaggedStats]:
         """Pop, in step order, every delivered entry with ``step <= current_step - 1 - lag``.
 

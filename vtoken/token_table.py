@@ -185,8 +185,26 @@ class TokenTable:
         self._pos_of_slot[plan.new_num_live : plan.old_num_live] = -1
         self.num_live = plan.new_num_live
 
+    def sort_by_position(self) -> np.ndarray:
+        """Reorder the live slots by ascending logical position (a preempted request resumes
+        by re-prefilling its live tokens into dense slots ``0..num_live-1`` in logical order).
+
+        Returns:
+            int64 ``[num_live]`` permutation: new slot ``i`` holds the token of old slot
+            ``order[i]`` (apply it to per-slot state with ``SlotState.compact(order)``).
+
+        Cost: O(n log n) in ``num_live``; only at a preemption.
+        """
+        n = self.num_live
+        pos = self._pos_of_slot[:n]
+        order = np.argsort(pos, kind="stable").astype(np.int64)
+        sorted_pos = pos[order]
+        self._pos_of_slot[:n] = sorted_pos
+        self._slot_of_pos[sorted_pos] = np.arange(n, dtype=np.int64)
+        return order
+
     def reset(self) -> None:
-        """Back to empty (preemption: the request restarts from its prompt). Keeps capacity."""
+        """Back to empty. Keeps capacity."""
         self._pos_of_slot[: self.num_live] = -1
         self._slot_of_pos[: self.num_logical] = -1
         self.num_live = 0

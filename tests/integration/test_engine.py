@@ -68,18 +68,18 @@ def path(request) -> str:
 _oracle_cache: dict = {}
 
 
-def _oracle_tokens(tiny: str, prompt: list[int], new_tokens: int, cfg, lag: int) -> list[int]:
+def _oracle_tokens(tiny: str, prompt: list[int], new_tokens: int, cfg, lag: int, preempt_at: tuple = ()) -> list[int]:
     """Greedy tokens of the dense oracle (cached across paths: v1-sync and mrv2-sync share lag 0)."""
     import torch
 
     from vtoken.oracle import load_oracle_model, oracle_generate
 
-    key = (tuple(prompt), new_tokens, cfg.model_dump_json(), lag)
+    key = (tuple(prompt), new_tokens, cfg.model_dump_json(), lag, preempt_at)
     if key not in _oracle_cache:
         if "model" not in _oracle_cache:
             torch.set_num_threads(2)
             _oracle_cache["model"] = load_oracle_model(tiny)
-        ref = oracle_generate(_oracle_cache["model"], prompt, new_tokens, cfg, score_lag=lag)
+        ref = oracle_generate(_oracle_cache["model"], prompt, new_tokens, cfg, score_lag=lag, preempt_at=preempt_at)
         _oracle_cache[key] = list(ref.token_ids)
     return _oracle_cache[key]
 
@@ -184,8 +184,9 @@ def test_pool_free_count_returns(path, eviction_run, naive_run):
 
 def test_aborts_and_preemption_lose_no_block(tiny, path):
     """A pool of 10 blocks: an eviction-off request grows and preempts the vToken requests
-    admitted after it (they reset, re-prefill and are evicted again); aborts at several
-    phases (before prefill, mid-prefill of a long prompt, right after an eviction)."""
+    admitted after it (they resume by re-prefilling their live tokens, and their tokens equal
+    the oracle replaying the preemptions); aborts at several phases (before prefill, mid-prefill
+    of a long prompt, right after an eviction)."""
     reqs = [dict(id="off", prompt_token_ids=_prompt(19, 40), max_tokens=200, extra_args={"vtoken_enable": False})]
     reqs += [dict(id=f"q{i}", prompt_token_ids=_prompt(20 + i, 60 + 17 * i), max_tokens=80, arrive_at_step=1,
                   extra_args={"vtoken_policy": POLICIES[i], "vtoken_budget": 40}) for i in range(4)]
@@ -203,6 +204,18 @@ def test_aborts_and_preemption_lose_no_block(tiny, path):
     for r in reqs[1:5]:
         assert out["finish"][r["id"]] == "length" and len(out["tokens"][r["id"]]) == 80
     assert out["vtoken"]["stats"]["preemption_resets"] > 0
+    # preempted requests resume with their live tokens (docs/integration.md, "Preemption"): every
+    # policy's tokens equal the oracle replaying the preemptions the engine recorded
+    base = parse_config({"policy": "h2o", "budget": 40})
+    fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
+    replayed = 0
+    for r in reqs[1:5]:
+        preempt_at = [d for d, _ in fin[r["id"]]["preempt_log"]]
+        replayed += bool(preempt_at)
+        ref = _oracle_tokens(tiny, r["prompt_token_ids"], 80, parse_request_overrides(r["extra_args"]).apply(base),
+                             SCORE_LAG[path], preempt_at=tuple(preempt_at))
+        assert out["tokens"][r["id"]] == ref, (r["id"], preempt_at)
+    assert replayed > 0
 
 
 @pytest.mark.parametrize("run_path", ["v1-sync", "mrv2-async"])

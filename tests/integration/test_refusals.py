@@ -24,7 +24,7 @@ import pytest
 
 from vtoken.config import VTokenConfigError
 from vtoken.integrations.vllm import refusals
-from vtoken.integrations.vllm.refusals import OVERRIDES, REFUSALS, model_attention_features
+from vtoken.integrations.vllm.refusals import REFUSALS, model_attention_features
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_readme_block_is_generated_from_the_table():
 def test_readme_rows_parse_to_the_table():
     rows = [ln for ln in _readme_block().splitlines() if ln.startswith("| ") and not ln.startswith("| vToken ")]
     cells = [tuple(c.strip() for c in ln.strip("|").split(" | ")) for ln in rows]
-    want = {(r.option, r.when, r.reason) for r in REFUSALS} | {(o.option, o.change, o.reason) for o in OVERRIDES}
+    want = {(r.option, r.when, r.reason) for r in REFUSALS}
     assert set(cells) == want and len(cells) == len(want)
 
 

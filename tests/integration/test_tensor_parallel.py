@@ -234,6 +234,7 @@ def test_context_parallel_refused_by_name(tiny, field, option):
         "from vtoken.integrations.vllm.plugin import register\n"
         "register()\n"
         f"a = EngineArgs(model={tiny!r}, dtype='float32', block_size=32, tensor_parallel_size=2, {field}=2,\n"
+        "               enable_prefix_caching=False,\n"
         "               additional_config={'vtoken': {'policy': 'h2o', 'budget': 64}})\n"
         "try:\n"
         "    a.create_engine_config()\n"

@@ -74,7 +74,8 @@ OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None)}
 
 def _engine(model: str, extra: dict, vt) -> dict:
     e = dict(model=model, dtype="float32", block_size=32, gpu_memory_utilization=0.1, num_gpu_blocks_override=64,
-             max_model_len=256, enforce_eager=True, additional_config={"vtoken": GOOD if vt is None else vt})
+             max_model_len=256, enforce_eager=True, enable_prefix_caching=False,
+             additional_config={"vtoken": GOOD if vt is None else vt})
     e.update(extra)
     return e
 

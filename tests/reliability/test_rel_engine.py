@@ -13,9 +13,11 @@ block counts are asserted after every step) with the same engine config, a 40-bl
 
 After every group the pool's free count is back at its start (39) and the scheduler tracks
 no request. Every surviving request's tokens equal its solo run's, except eviction-on
-requests that were preempted: they re-prefill all their tokens and are evicted again from
-scratch, so their tokens legitimately differ; for them only block accounting is asserted
-(the per-step checks, the pool count, their full length).
+requests that were preempted: they resume by re-prefilling their live tokens only, whose KV
+is then recomputed without the tokens evicted before (docs/integration.md, "Preemption"), so
+their tokens legitimately differ from the solo run; for them only block accounting is
+asserted here (the per-step checks, the pool count, their full length); their tokens are
+checked against the oracle replaying the preemption in tests/integration/test_engine_preempt.py.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def test_preemption_storm(batch_run, solo_run):
         if rid.startswith("s-off") or pre[rid] == 0:
             # eviction off (even when preempted), or eviction on and never preempted: exact
             assert g["tokens"][rid] == solo_run[rid], f"{rid} (preempted {pre[rid]}x)"
-        # eviction on and preempted: re-prefilled and evicted again; block accounting only
+        # eviction on and preempted: resumed with its live tokens; block accounting only
         # (VTOKEN_CHECK per step, the pool count in test_pool_back_to_start_and_nothing_tracked)
 
 

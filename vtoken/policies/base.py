@@ -123,7 +123,9 @@ class SlotState:
     def compact(self, keep: np.ndarray) -> None:
         """Keep slots ``keep`` (int64 ``[k]``, ascending) and pack them into ``0..k-1``.
 
-        Used by the dense oracle, whose cache stays in logical order.
+        Used by the dense oracle, whose cache stays in logical order. ``keep`` may also be
+        a permutation of ``0..k-1`` (the scheduler reorders a preempted request's slots by
+        logical position, :meth:`vtoken.token_table.TokenTable.sort_by_position`).
         """
         k = len(keep)
         for a in self.arrays.values():

@@ -19,8 +19,9 @@ tokens written by the upstream op, for every dtype/ISA pair the machine supports
 
 The worker reaches a backend's layout only through the :class:`KVLayout` interface
 (move tokens, read keys); :class:`CPUKVLayout` implements it for the probed CPU layout.
-A GPU layout (FlashAttention's ``[num_blocks, block_size, num_kv_heads, head_size]`` views)
-implements the same three methods.
+:class:`PagedKVLayout` implements it for the GPU backends' logical view
+``[num_blocks, num_kv_heads, block_size, 2*head_size]`` in any ``KVCacheLayout`` (FlashAttention:
+:func:`flash_attn_kv_layout`).
 
 Example (block size 4, one head, ``vec`` K layout, head_size 2)::
 
@@ -36,7 +37,8 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["KVLayout", "CPUKVLayout", "TokenLayout", "probe_cpu_layout", "move_tokens_cpu", "gather_keys_cpu", "cpu_kv_layout"]
+__all__ = ["KVLayout", "CPUKVLayout", "TokenLayout", "probe_cpu_layout", "move_tokens_cpu", "gather_keys_cpu", "cpu_kv_layout",
+           "PagedKVLayout", "flash_attn_kv_layout", "view_axis_order"]
 
 
 @dataclass(frozen=True)
@@ -193,3 +195,89 @@ class CPUKVLayout:
 def cpu_kv_layout(dtype: torch.dtype, isa: str, block_size: int, head_size: int, num_kv_heads: int = 1) -> CPUKVLayout:
     """The :class:`CPUKVLayout` for one (dtype, ISA, block size, head size) (probed once)."""
     return CPUKVLayout(probe_cpu_layout(dtype, isa, block_size, head_size, num_kv_heads))
+
+
+# ---------------------------------------------------------------------- GPU: FlashAttention
+def view_axis_order(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """Axes of a 4-D per-layer view ``[B, H, N, C]`` from the largest stride to the smallest.
+
+    Axes of size 1 carry no layout information and are left out (their stride is arbitrary).
+    """
+    dims = [d for d in range(4) if kv_cache.shape[d] > 1]
+    return tuple(sorted(dims, key=lambda d: (-kv_cache.stride(d), d)))
+
+
+@dataclass(frozen=True)
+class PagedKVLayout:
+    """:class:`KVLayout` of a GPU attention backend whose per-layer cache is vLLM's logical view
+    ``[num_blocks, num_kv_heads, block_size, 2*head_size]`` (K = ``[..., :hd]``, V = ``[..., hd:]``)
+    with the strides of one engine-wide ``KVCacheLayout`` (FlashAttention in vLLM 0.32:
+    ``LBNHC`` unless ``VLLM_KV_CACHE_LAYOUT`` picks another).
+
+    Moves use the stride-generic Triton kernel on CUDA tensors and the PyTorch reference on
+    CPU (``vtoken.kernels.move_tokens_paged``); key reads are plain indexing (tests, the
+    ``VTOKEN_TEST_WORKER_DIR`` hook; the GPU scorer reads the cache itself).
+
+    Attributes:
+        layout: the ``KVCacheLayout`` member name (``"LBNHC"``, ``"LBHNC"``, ...).
+        backend: the attention backend's name (``"FLASH_ATTN"``).
+    """
+
+    layout: str
+    backend: str = "FLASH_ATTN"
+
+    def check_view(self, kv_cache: torch.Tensor) -> None:
+        """Check that ``kv_cache`` is a 4-D view laid out as :attr:`layout` says.
+
+        Raises:
+            ValueError: wrong rank, a content dimension that is not contiguous, or axes whose
+                stride order differs from ``KVCacheLayout[layout].layer_view_order``.
+        """
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        if kv_cache.dim() != 4:
+            raise ValueError(f"{self.backend} KV cache view has shape {tuple(kv_cache.shape)}; expected "
+                             "[num_blocks, num_kv_heads, block_size, 2*head_size]")
+        if kv_cache.shape[3] > 1 and kv_cache.stride(3) != 1:
+            raise ValueError(f"{self.backend} KV cache content stride is {kv_cache.stride(3)}; expected 1")
+        want = tuple(d for d in KVCacheLayout[self.layout].layer_view_order if kv_cache.shape[d] > 1)
+        got = view_axis_order(kv_cache)
+        if got != want:
+            raise ValueError(f"{self.backend} KV cache view strides {tuple(kv_cache.stride())} (shape "
+                             f"{tuple(kv_cache.shape)}) give axis order {got}; KVCacheLayout.{self.layout} "
+                             f"means {want}")
+
+    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        from vtoken.kernels import move_tokens_paged
+
+        move_tokens_paged([kv_cache], src, dst, debug=False)
+
+    def gather_keys(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        bs, hd = kv_cache.shape[2], kv_cache.shape[3] // 2
+        s = torch.arange(num_tokens, device=kv_cache.device)
+        b = block_ids.to(kv_cache.device, torch.int64)[s // bs]
+        return kv_cache[b, :, s % bs, :hd].permute(1, 0, 2).float()  # [H, n, hd]
+
+    def gather_keys_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        hd = kv_cache.shape[3] // 2
+        k = kv_cache[blocks.to(kv_cache.device), :, offsets.to(kv_cache.device)[None, :], :hd]  # [R, n, H, hd]
+        return k.permute(0, 2, 1, 3).float()
+
+
+def flash_attn_kv_layout(cache_config=None) -> PagedKVLayout:
+    """FlashAttention's :class:`PagedKVLayout`, resolved with vLLM's own functions.
+
+    The layout is the one vLLM resolved for the engine (``cache_config.kv_cache_layout``,
+    recorded in every worker before its caches are allocated); without one, the first of
+    ``get_supported_kv_cache_layouts([FlashAttentionBackend])`` (FlashAttention declares no
+    preference, so vLLM's default order applies: ``LBNHC`` first).
+    """
+    name = getattr(cache_config, "kv_cache_layout", None) if cache_config is not None else None
+    if name is None:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+        name = get_supported_kv_cache_layouts([FlashAttentionBackend])[0].name
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return PagedKVLayout(layout=KVCacheLayout[str(name)].name, backend="FLASH_ATTN")

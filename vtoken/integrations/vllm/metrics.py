@@ -17,7 +17,7 @@ name                                kind     meaning
 ``vtoken:freed_blocks_total``       counter  tail blocks returned to the block pool
 ``vtoken:evictions_total``          counter  eviction events (one per request and step)
 ``vtoken:repack_seconds_total``     counter  scheduler time spent choosing victims and planning
-``vtoken:preemption_resets_total``  counter  vToken states dropped because vLLM preempted a request
+``vtoken:preemption_resets_total``  counter  vLLM preempted a vToken request (resumed with its live tokens)
 ``vtoken:request_faults_total``     counter  requests whose eviction was turned off by a fault confined to them
 ``vtoken:tokens_above_budget``      gauge    pressure pacing: live tokens kept above budget
 ``vtoken:pressure_events_total``    counter  pressure pacing: steps where the pool was short
@@ -85,7 +85,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:freed_blocks": ("freed_blocks", "Tail KV-cache blocks returned to the block pool."),
     "vtoken:evictions": ("evictions", "Eviction events (one per request and step)."),
     "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves."),
-    "vtoken:preemption_resets": ("preemption_resets", "vToken request states dropped because of preemption."),
+    "vtoken:preemption_resets": ("preemption_resets", "Preemptions of vToken requests (a decoding request under mode vtoken "
+                                                        "resumes with its live tokens only; otherwise its state is dropped)."),
     "vtoken:pressure_events": ("pressure_events",
                                "Pressure pacing: steps where a step's block demand plus the watermark exceeded the free blocks."),
     "vtoken:pressure_evictions": ("pressure_evictions", "Pressure pacing: eviction events decided under pressure."),

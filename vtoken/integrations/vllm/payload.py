@@ -40,6 +40,12 @@ class StepPayload:
         offsets: req_id -> new offset (logical tokens minus live tokens); 0 resets.
         scores: req_id -> ``AttentionNeed`` value (int) of the statistics to compute
             for that request in this step.
+        refill: req_id -> (logical positions, token ids), int64 ``[r]`` each: the request is
+            resuming after a preemption and its first ``r`` scheduled tokens of this step
+            re-prefill live tokens. vLLM schedules them at positions ``offset..`` (its
+            ``num_computed_tokens`` was set to the offset), so ``position - offset`` is
+            already their dense physical slot; the worker replaces their input ids and
+            (RoPE) positions with these.
         score_steps: req_id -> (state generation, request-step index) of this step's
             scores; scheduler-side bookkeeping (the worker ignores it) that files the
             statistics under the step they came from when they return, possibly a step
@@ -52,6 +58,7 @@ class StepPayload:
     kept_blocks: dict[str, list[int]] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)
     scores: dict[str, int] = field(default_factory=dict)
+    refill: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     score_steps: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
@@ -59,10 +66,10 @@ class StepPayload:
         return int(self.src.shape[0])
 
     def is_empty(self) -> bool:
-        return not (self.num_moves or self.truncate or self.offsets or self.scores)
+        return not (self.num_moves or self.truncate or self.offsets or self.scores or self.refill)
 
     def __repr__(self) -> str:  # counts only, never token data
         return (
             f"StepPayload(moves={self.num_moves}, truncate={len(self.truncate)}, "
-            f"offsets={len(self.offsets)}, scores={len(self.scores)})"
+            f"offsets={len(self.offsets)}, scores={len(self.scores)}, refill={len(self.refill)})"
         )

@@ -24,13 +24,14 @@ import functools
 import logging
 
 from vtoken.config import VTokenConfigError, parse_config
-from vtoken.integrations.vllm import frontend, refusals
+from vtoken.integrations.vllm import frontend, platforms, refusals
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
 SCHEDULER_CLS = "vtoken.integrations.vllm.scheduler.VTokenScheduler"
 ASYNC_SCHEDULER_CLS = "vtoken.integrations.vllm.scheduler.VTokenAsyncScheduler"
-CPU_WORKER_CLS = "vtoken.integrations.vllm.worker.VTokenCPUWorker"
+CPU_WORKER_CLS = platforms.CPU_WORKER_CLS
+CUDA_WORKER_CLS = platforms.CUDA_WORKER_CLS
 
 _registered = False
 
@@ -79,14 +80,13 @@ def _wrap_create_engine_config() -> None:
         _check_model(vcfg)
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            refusals.refuse("platform", getattr(current_platform, "device_name", None) or type(current_platform).__name__)
-        _check_block_size(vcfg.cache_config.block_size)
+        # CPU, or CUDA with FlashAttention; other platforms / GPU backends refused by name (platforms.py)
+        worker_cls = platforms.check_platform(vcfg, current_platform)
         if vcfg.scheduler_config.scheduler_cls is not None:
             refusals.refuse("scheduler_cls", vcfg.scheduler_config.scheduler_cls)
         is_async = bool(vcfg.scheduler_config.async_scheduling)
         vcfg.scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
-        vcfg.parallel_config.worker_cls = CPU_WORKER_CLS
+        vcfg.parallel_config.worker_cls = worker_cls
         vcfg.additional_config["vtoken"] = cfg.model_dump()
         # /metrics (front end) must see the EngineCore's vtoken: metrics: Prometheus
         # multiprocess mode, set up here, before the EngineCore and vLLM's stat loggers exist.
@@ -108,21 +108,10 @@ def _wrap_create_engine_config() -> None:
 
 
 def _check_block_size(block_size) -> None:
-    """Refuse a KV block size the CPU attention backend cannot use, naming ``--block-size``.
-
-    Stock vLLM accepts the value here and fails later, inside the worker, with a deep
-    traceback ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])").
-    """
-    from vllm.v1.attention.backend import MultipleOf
+    """Refuse a KV block size the CPU attention backend cannot use (see ``platforms.check_block_size``)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    sizes = CPUAttentionBackend.get_supported_kernel_block_sizes()
-    ok = any((isinstance(s, MultipleOf) and block_size % s.base == 0) or (isinstance(s, int) and block_size == s)
-             for s in sizes)
-    if not ok:
-        allowed = ", ".join(f"a multiple of {s.base}" if isinstance(s, MultipleOf) else str(s) for s in sizes)
-        refusals.refuse("block_size", block_size, f"the CPU attention backend ({CPUAttentionBackend.get_name()}) "
-                        f"cannot use it; allowed: {allowed}, e.g. --block-size 32")
+    platforms.check_block_size(block_size, CPUAttentionBackend)
 
 
 def _check_model(vcfg) -> None:

@@ -1,8 +1,8 @@
-"""What vToken refuses, and what it changes, in one table; the checks that apply it.
+"""What vToken refuses, in one table; the checks that apply it.
 
 :data:`REFUSALS` lists every option, model feature and request kind vToken refuses (each
-with the reason); :data:`OVERRIDES` every vLLM setting it changes (each logged with one
-warning). README's "What vToken refuses" block is generated from both by
+with the reason). vToken changes no vLLM setting: what it cannot follow it refuses.
+README's "What vToken refuses" block is generated from the table by
 :func:`readme_block` (``python -m vtoken.integrations.vllm.refusals`` prints it) and
 ``tests/reliability/test_never_silent.py`` checks that the README holds exactly that block.
 Every start-up refusal is raised through :func:`refuse`, which takes a key of
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from vtoken.config import VTokenConfigError
 
-__all__ = ["Refusal", "Override", "REFUSALS", "OVERRIDES", "refuse", "check_engine_args", "check_model",
+__all__ = ["Refusal", "REFUSALS", "refuse", "check_engine_args", "check_model",
            "model_attention_features", "check_attention_layers", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block"]
 
 
@@ -45,19 +45,14 @@ class Refusal:
     reason: str
 
 
-@dataclass(frozen=True)
-class Override:
-    """One vLLM setting vToken changes when it is on (always with one warning naming it)."""
-
-    option: str
-    change: str
-    reason: str
-
-
 #: Tested KV-cache dtypes: the token-move and key-read paths are bit-exact against vLLM's
 #: packing op for these (tests/integration/test_kv_layout.py); ``auto`` means the model dtype.
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+
+_CONTEXT_PARALLEL_REASON = ("context parallelism shards each request's KV cache by token across ranks (interleaved "
+                            "slots, different block-size arithmetic), so token moves and scores would need a "
+                            "cross-rank exchange")
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("speculative", "--speculative-config", "start-up",
@@ -65,13 +60,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("pipeline_parallel", "--pipeline-parallel-size > 1", "start-up",
             "scores would need a cross-stage exchange"),
     Refusal("decode_context_parallel", "--decode-context-parallel-size > 1", "start-up",
-            "decode context parallelism shards each request's KV cache by token across ranks (interleaved "
-            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
-            "exchange"),
+            "decode " + _CONTEXT_PARALLEL_REASON),
     Refusal("prefill_context_parallel", "--prefill-context-parallel-size > 1", "start-up",
-            "prefill context parallelism shards each request's KV cache by token across ranks (interleaved "
-            "slots, different block-size arithmetic), so token moves and scores would need a cross-rank "
-            "exchange"),
+            "prefill " + _CONTEXT_PARALLEL_REASON),
     Refusal("kv_transfer", "--kv-transfer-config", "start-up",
             "KV connectors assume positionally stable block tables"),
     Refusal("kv_events", "--kv-events-config", "start-up",
@@ -89,11 +80,16 @@ REFUSALS: tuple[Refusal, ...] = (
             "the scorer computes softmax(q K^T * scale) without the cap, so its scores are not the model's"),
     Refusal("sinks", "learned attention sinks (model feature, e.g. gpt-oss)", "start-up",
             "the scorer's softmax has no sink logit, so its scores are not the model's"),
-    Refusal("block_size", "--block-size not usable by the CPU attention backend", "start-up",
-            "the CPU backend needs a multiple of 32 (stock vLLM fails later, inside the worker)"),
-    Refusal("platform", "a platform other than vLLM's CPU backend (e.g. CUDA)", "start-up",
-            "the GPU worker (FlashAttention layouts, a scoring kernel, CUDA graphs) is not built yet; "
-            "the Triton move and scoring kernels in vtoken/kernels/ are ready for it"),
+    Refusal("block_size", "--block-size not usable by the attention backend", "start-up",
+            "the CPU backend needs a multiple of 32, FlashAttention a multiple of 16 (stock vLLM fails later, "
+            "inside the worker, or splits blocks, which vToken's block tables do not follow)"),
+    Refusal("platform", "platform other than vLLM's CPU backend or NVIDIA CUDA (e.g. ROCm, TPU, XPU)", "start-up",
+            "only the CPU worker and the CUDA worker (FlashAttention) are built; the other platforms' KV layouts, "
+            "attention kernels and graph modes are untested"),
+    Refusal("attention_backend", "--attention-backend other than FLASH_ATTN (CUDA)", "start-up",
+            "the CUDA worker implements FlashAttention's KV layout, block sizes and CUDA graph behaviour only; "
+            "FLASHINFER, TRITON_ATTN and the other GPU backends are untested (FlashInfer also treats the seq_lens "
+            "upper bound as exact); pass --attention-backend FLASH_ATTN"),
     Refusal("scheduler_cls", "--scheduler-cls", "start-up",
             "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
             "async scheduling)"),
@@ -101,10 +97,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),
 )
-
-#: Empty: vToken changes no vLLM setting. (Prefix caching used to be turned off; it now stays
-#: on, with shared and cached blocks kept out of every repack: docs/integration.md.)
-OVERRIDES: tuple[Override, ...] = ()
 
 _BY_KEY = {r.key: r for r in REFUSALS}
 
@@ -114,14 +106,14 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
 
     Raises:
         VTokenConfigError: ``<option> = <value>: vToken does not support it yet (<reason>[; <detail>])``
-            for an option; ``--model = <value>: vToken does not support it yet (<feature>[; <detail>]:
+            for an option (``platform = <value>: ...`` for the platform); ``--model = <value>: vToken does not support it yet (<feature>[; <detail>]:
             <reason>)`` for a model feature (the one error format of ``vtoken.config``).
         KeyError: ``key`` is not in the table (a refusal the README would not list).
     """
     r = _BY_KEY[key]
     # the one error format (vtoken.config): "<where> = <value>: <problem>"
     extra = f"; {detail}" if detail else ""
-    if r.option.startswith("--"):
+    if r.option.startswith("--") or r.key == "platform":
         option = r.option.split(" ", 1)[0]
         raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
     raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")
@@ -276,15 +268,10 @@ README_END = "<!-- /refusals -->"
 
 
 def readme_block() -> str:
-    """The README's refusals block (markers included), generated from the two tables."""
+    """The README's refusals block (markers included), generated from :data:`REFUSALS`."""
     lines = [README_BEGIN, "", "| vToken refuses | when | why |", "|---|---|---|"]
     lines += [f"| {r.option} | {r.when} | {r.reason} |" for r in REFUSALS]
-    if OVERRIDES:
-        lines += ["", "| vToken changes | to | why |", "|---|---|---|"]
-        lines += [f"| {o.option} | {o.change} | {o.reason} |" for o in OVERRIDES]
-    else:
-        lines += ["", "vToken changes no vLLM setting (prefix caching stays as you set it)."]
-    lines += ["", README_END]
+    lines += ["", "vToken changes no vLLM setting.", "", README_END]
     return "\n".join(lines)
 
 

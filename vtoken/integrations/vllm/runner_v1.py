@@ -10,7 +10,9 @@ Seams (patches/ entries under ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
 * ``_prepare_inputs``: after the stock method, ``seq_lens`` (and the pinned
   ``optimistic_seq_lens_cpu``) and the slot mapping become physical (``position - offset``)
   while ``positions`` stay logical. The V1 sampler reads neither buffer, so subtracting in
-  place is safe here (unlike Model Runner V2, see ``runner_v2.py``).
+  place is safe here (unlike Model Runner V2, see ``runner_v2.py``). Tokens that re-prefill a
+  resumed request's live tokens get their ids and logical positions written over
+  ``input_ids`` / ``positions`` (after the slot mapping, which used vLLM's positions).
 * ``sample_tokens``: the step's attention statistics ride on its output.
 """
 
@@ -24,7 +26,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vtoken.integrations.vllm.kv_layout import KVLayout, cpu_kv_layout
 from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
 
-__all__ = ["VTokenCPUModelRunner", "cpu_layout_for"]
+__all__ = ["VTokenV1Adapter", "VTokenCPUModelRunner", "cpu_layout_for"]
 
 
 def cpu_layout_for(layer, kv_cache: torch.Tensor) -> KVLayout:
@@ -33,12 +35,20 @@ def cpu_layout_for(layer, kv_cache: torch.Tensor) -> KVLayout:
     return cpu_kv_layout(kv_cache.dtype, layer.isa, bs, two_hd // 2, H)
 
 
-class VTokenCPUModelRunner(CPUModelRunner):
-    """V1 ``CPUModelRunner`` with vToken's moves, physical addressing and scores (module docstring)."""
+class VTokenV1Adapter:
+    """vToken's seams on a V1 runner (module docstring); mixed in before the runner class.
+
+    Hooks a device-specific runner overrides: :meth:`_vt_new_core` (the worker core and its
+    KV layout) and :meth:`_vt_physical_inputs` (how ``seq_lens`` and the slot mapping become
+    physical). ``gpu_runner.VTokenGPUModelRunner`` is the CUDA one.
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._vt = VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
+        self._vt = self._vt_new_core()
+
+    def _vt_new_core(self) -> VTokenWorkerCore:
+        return VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -71,16 +81,30 @@ class VTokenCPUModelRunner(CPUModelRunner):
         req_ids = self.input_batch.req_ids[:num_reqs]
         off = self._vt.batch_offsets(req_ids)
         if off is not None:
-            T = int(scheduler_output.total_num_scheduled_tokens)
-            off_t = torch.from_numpy(off)
-            self.seq_lens[:num_reqs] -= off_t.to(self.seq_lens.dtype)
-            self.optimistic_seq_lens_cpu[:num_reqs] -= off_t.to(self.optimistic_seq_lens_cpu.dtype)
-            per_tok = torch.from_numpy(np.repeat(off, num_scheduled_tokens[:num_reqs]))
-            phys = self.positions[:T] - per_tok.to(self.positions.dtype)
-            self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], phys)
+            self._vt_physical_inputs(off, num_reqs, int(scheduler_output.total_num_scheduled_tokens),
+                                     num_scheduled_tokens)
+        fix = self._vt.refill_inputs(req_ids, np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])]))
+        if fix is not None:  # resumed live tokens: their ids and logical (RoPE) positions
+            idx, pos, ids = fix
+            self.positions[idx.to(self.positions.device)] = pos.to(self.positions.device, self.positions.dtype)
+            for buf in (self.input_ids.gpu, self.input_ids.cpu):
+                buf[idx.to(buf.device)] = ids.to(buf.device, buf.dtype)
         self._vt.start_scoring(req_ids)
         return res
+
+    def _vt_physical_inputs(self, off: np.ndarray, num_reqs: int, T: int, num_scheduled_tokens: np.ndarray) -> None:
+        """``seq_lens`` / ``optimistic_seq_lens_cpu`` minus the offsets, slot mapping from ``position - offset``."""
+        off_t = torch.from_numpy(off)
+        self.seq_lens[:num_reqs] -= off_t.to(self.seq_lens.dtype)
+        self.optimistic_seq_lens_cpu[:num_reqs] -= off_t.to(self.optimistic_seq_lens_cpu.dtype)
+        per_tok = torch.from_numpy(np.repeat(off, num_scheduled_tokens[:num_reqs]))
+        phys = self.positions[:T] - per_tok.to(self.positions.dtype)
+        self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], phys)
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
         return self._vt.attach_scores(out, self._vt.take_scores())
+
+
+class VTokenCPUModelRunner(VTokenV1Adapter, CPUModelRunner):
+    """V1 ``CPUModelRunner`` with vToken's moves, physical addressing and scores (module docstring)."""

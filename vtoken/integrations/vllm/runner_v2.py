@@ -12,7 +12,9 @@ Seams (patches/ entries under ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``
   of its block tables, so the payload carries the ids).
 * ``prepare_attn``: the slot mapping is computed from **physical** positions
   (``dataclasses.replace(input_batch, positions=physical)``); everything else, RoPE and the
-  sampler included, keeps the logical ``input_batch.positions``.
+  sampler included, keeps the logical ``input_batch.positions``. Tokens that re-prefill a
+  resumed request's live tokens then get their ids and logical positions written over
+  ``input_batch.input_ids`` / ``positions`` in place (the forward reads them).
 * ``model_state.prepare_attn`` (wrapped per instance in ``load_model``): attention metadata is
   built from physical ``seq_lens`` and ``seq_lens_cpu_upper_bound`` held in separate
   tensors. ``input_batch.seq_lens`` itself stays logical: Model Runner V2's
@@ -35,17 +37,28 @@ from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 from vtoken.integrations.vllm.runner_v1 import cpu_layout_for
 from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
 
-__all__ = ["VTokenCPUModelRunnerV2"]
+__all__ = ["VTokenV2Adapter", "VTokenCPUModelRunnerV2"]
 
 
-class VTokenCPUModelRunnerV2(CPUModelRunner):
-    """Model Runner V2 ``CPUModelRunner`` with vToken (module docstring)."""
+class VTokenV2Adapter:
+    """vToken's seams on a Model Runner V2 runner (module docstring); mixed in before the runner class.
+
+    Hooks a device-specific runner overrides: :meth:`_vt_new_core`, :meth:`_vt_physical_positions`,
+    :meth:`_vt_physical_seq_lens` and :attr:`_vt_always_physical` (route attention's ``seq_lens``
+    through the hook on every step, offsets or not: CUDA graphs capture the buffer it returns).
+    ``gpu_runner.VTokenGPUModelRunnerV2`` is the CUDA one.
+    """
+
+    _vt_always_physical = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._vt = VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
+        self._vt = self._vt_new_core()
         #: this step's per-row offsets (batch order), set by prepare_attn for the metadata build
         self._vt_batch_off: Optional[np.ndarray] = None
+
+    def _vt_new_core(self) -> VTokenWorkerCore:
+        return VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -57,7 +70,7 @@ class VTokenCPUModelRunnerV2(CPUModelRunner):
 
         def prepare_attn(input_batch, *a, **kw):
             off, runner._vt_batch_off = runner._vt_batch_off, None
-            if off is not None:
+            if off is not None or runner._vt_always_physical:
                 input_batch = runner._vt_physical_seq_lens(input_batch, off)
             return orig(input_batch, *a, **kw)
 
@@ -85,13 +98,25 @@ class VTokenCPUModelRunnerV2(CPUModelRunner):
         self._vt_batch_off = off
         self._vt.start_scoring(req_ids)
         if off is None:
-            return super().prepare_attn(input_batch)
+            res = super().prepare_attn(input_batch)
+        else:
+            phys = self._vt_physical_positions(input_batch, off)
+            res = super().prepare_attn(dataclasses.replace(input_batch, positions=phys))
+        fix = self._vt.refill_inputs(req_ids, input_batch.query_start_loc_np)
+        if fix is not None:  # resumed live tokens: ids and logical (RoPE) positions, after the slot mapping
+            idx, pos, ids = fix
+            p, t = input_batch.positions, input_batch.input_ids
+            p[idx.to(p.device)] = pos.to(p.device, p.dtype)
+            t[idx.to(t.device)] = ids.to(t.device, t.dtype)
+        return res
+
+    def _vt_physical_positions(self, input_batch, off: np.ndarray) -> torch.Tensor:
+        """``input_batch.positions`` minus each token's request offset (a new tensor)."""
         n_tok = input_batch.num_tokens
         per_tok = np.zeros(input_batch.positions.shape[0], dtype=np.int64)
-        per_tok[:n_tok] = np.repeat(off, np.asarray(input_batch.num_scheduled_tokens[: len(req_ids)]))
-        phys = input_batch.positions - torch.from_numpy(per_tok).to(input_batch.positions.device,
-                                                                    input_batch.positions.dtype)
-        return super().prepare_attn(dataclasses.replace(input_batch, positions=phys))
+        per_tok[:n_tok] = np.repeat(off, np.asarray(input_batch.num_scheduled_tokens[: len(off)]))
+        return input_batch.positions - torch.from_numpy(per_tok).to(input_batch.positions.device,
+                                                                   input_batch.positions.dtype)
 
     def _vt_physical_seq_lens(self, input_batch, off: np.ndarray):
         """A copy of ``input_batch`` whose ``seq_lens`` / upper bound are physical (new tensors)."""
@@ -106,3 +131,7 @@ class VTokenCPUModelRunnerV2(CPUModelRunner):
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
         return self._vt.attach_scores(out, self._vt.take_scores())
+
+
+class VTokenCPUModelRunnerV2(VTokenV2Adapter, CPUModelRunner):
+    """Model Runner V2 ``CPUModelRunner`` with vToken (module docstring)."""

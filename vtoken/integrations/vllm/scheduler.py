@@ -23,9 +23,14 @@ and so when eviction starts, is decided here from scheduler state, never from wh
 arrive: async and sync scheduling make the same decisions for score-free policies.
 
 ``update_from_output`` stores the statistics the workers send back, against the step they
-came from. Preemption and finish both go through ``_free_request_blocks``, where the
-request's vToken state is dropped (a preempted request re-prefills all its logical tokens
-from scratch, gets a new state and is evicted again).
+came from. Preemption and finish both go through ``_free_request_blocks``. A preempted
+request that is decoding under ``mode: vtoken`` keeps its state (token table, policy state;
+:meth:`RequestState.prepare_resume`) and resumes by re-prefilling only its live tokens:
+``_preempt_request`` sets its ``num_computed_tokens`` to its offset (the evicted tokens count
+as done), so vLLM schedules ``live + 1`` tokens and the KV manager allocates
+``ceil((live + 1)/B)`` blocks; the payload's ``refill`` tells the workers the live tokens'
+ids and logical positions. Otherwise (``naive``, or a preemption during the first prefill)
+the state is dropped and the request starts again from its prompt.
 
 A fault confined to one request (a policy error, statistics of the wrong length) turns
 eviction off for that request only, logs an error naming it and counts it in
@@ -219,7 +224,7 @@ class VTokenSchedulerMixin:
             st = self._vt_states.get(rid)
             placeholders = getattr(req, "num_output_placeholders", 0)
             new = max(0, min(req.num_tokens + placeholders - req.num_computed_tokens, cap))
-            live = st.table.num_live if st is not None else req.num_computed_tokens
+            live = st.table.num_live - st.refill if st is not None else req.num_computed_tokens
             demand += max(0, cdiv(live + new, bs) - held)
         if len(self.running) < sc.max_num_seqs:
             head = next(iter(self.waiting), None)
@@ -265,7 +270,7 @@ class VTokenSchedulerMixin:
         # this step's moves per planning request, kept apart until the stock schedule() ran
         srcs: list[np.ndarray] = []
         dsts: list[np.ndarray] = []
-        move_by: list[tuple[str, RequestState]] = []
+        move_by: list[tuple[str, RequestState, int]] = []
         t0 = time.perf_counter()
         eligible: list[tuple[int, Any, RequestState]] = []
         for order, req in enumerate(self.running):
@@ -330,16 +335,18 @@ class VTokenSchedulerMixin:
         return out
 
     def _vt_collect_moves(self, payload: StepPayload, srcs: list[np.ndarray], dsts: list[np.ndarray],
-                          move_by: list[tuple[str, RequestState]]) -> None:
+                          move_by: list[tuple[str, RequestState, int]]) -> None:
         """Put this step's moves on the payload, except those of a request that the stock
         ``schedule()`` preempted after they were planned: its blocks went back to the pool
         (its clean prefix hashed first), so a move would write a block it no longer holds
         (a block that another request may be given in this very step). Its tokens are
-        re-prefilled anyway."""
+        re-prefilled anyway: all of them when its state was dropped, its live ones when it
+        was kept (:meth:`RequestState.prepare_resume` gives it a new ``generation``)."""
         keep_src: list[np.ndarray] = []
         keep_dst: list[np.ndarray] = []
-        for (rid, st), src, dst in zip(move_by, srcs, dsts):
-            if self._vt_states.get(rid) is not st:  # preempted (state dropped) in this schedule()
+        for (rid, st, gen), src, dst in zip(move_by, srcs, dsts):
+            # preempted in this schedule(): its state dropped, or kept with a new generation
+            if self._vt_states.get(rid) is not st or st.generation != gen:
                 self.vt_stats.moves_dropped_preempted += len(dst)
                 for bid in np.unique(dst // self._vt_bs).tolist():
                     self._vt_move_owners.pop(int(bid), None)
@@ -351,25 +358,50 @@ class VTokenSchedulerMixin:
             payload.dst = np.concatenate(keep_dst)
 
     def _vt_after_scheduled(self, req, st: RequestState, n: int, payload: StepPayload) -> None:
-        """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end."""
+        """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end.
+
+        A resuming request's first ``min(n, refill)`` tokens re-prefill live tokens already in
+        its table (``payload.refill``); only the rest are appended.
+        """
         rid = req.request_id
+        if st.resuming:  # live slots below vLLM's position of this chunk (minus the offset) are done
+            done = req.num_computed_tokens - n - st.table.offset
+            if st.refill == st.table.num_live and done > st.protected and self._vt_caching and st.may_evict:
+                # The resume's first chunk hit the prefix cache. vLLM looks up only a request
+                # that resumes at num_computed_tokens 0, i.e. one that has evicted nothing, so
+                # slots == positions and protecting the hit now equals protecting it from the
+                # start (the oracle takes the final ``protected``): hit blocks may be shared.
+                st.protected = done // self._vt_bs * self._vt_bs
+            st.refill = max(0, st.table.num_live - done)
+        r = min(n, st.refill)
+        if r:
+            done = st.table.num_live - st.refill
+            pos = st.table.logical_pos[done:done + r].copy()
+            ids = req.all_token_ids
+            payload.refill[rid] = (pos, np.fromiter((ids[p] for p in pos), dtype=np.int64, count=r))
+            self._vt_offset_updates[rid] = st.table.offset
+            st.refill -= r
         old = st.table.num_live
-        st.table.append(n)
-        st.naive.append(n)
-        st.pstate.reset_slots(old, old + n)
-        if st.decoding:
-            st.decode_steps += 1
+        st.table.append(n - r)
+        st.naive.append(n - r)
+        st.pstate.reset_slots(old, old + n - r)
         # Every token now has KV once this step ran: the step samples, the (re-)prefill is done.
         # (Under async scheduling num_computed_tokens already counts the in-flight placeholders.)
         samples = req.num_computed_tokens >= req.num_tokens
+        held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+        if st.decoding:
+            st.decode_steps += 1
+        elif st.resuming and samples:  # the re-prefill is the decode step it replaced
+            st.decode_steps += 1
+            st.resuming = False
+            st.preempt_log[-1][1] = held
         if st.may_evict and not st.faulted and st.policy.needs != AttentionNeed.NONE and (
             not st.decoding or st.decode_steps % st.cfg.score_every == 0
         ):
             payload.scores[rid] = st.policy.needs.value
             payload.score_steps[rid] = (st.generation, st.steps)
-            st.lag.expect(st.steps, st.table.logical_pos, sampled=samples)
+            st.lag.expect(st.steps, st.table.logical_pos[: st.table.num_live - st.refill], sampled=samples)
         st.decoding |= samples
-        held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
         naive_b = max(st.naive.num_retained_blocks, cdiv(st.table.num_live, self._vt_bs))
         full_b = cdiv(st.table.num_logical, self._vt_bs)
         st.steps += 1
@@ -405,7 +437,7 @@ class VTokenSchedulerMixin:
                          moves=getattr(out, "vtoken", None), move_owners=self._vt_move_owners)
 
     def _vt_evict(self, rid: str, st: RequestState, k: int, payload: StepPayload,
-                  srcs: list[np.ndarray], dsts: list[np.ndarray], move_by: list[tuple[str, RequestState]]) -> None:
+                  srcs: list[np.ndarray], dsts: list[np.ndarray], move_by: list[tuple[str, RequestState, int]]) -> None:
         table = st.table
         view = TokenView(logical_pos=table.logical_pos, num_logical=table.num_logical, prompt_len=st.prompt_len,
                          protected_prefix=st.protected)
@@ -424,7 +456,7 @@ class VTokenSchedulerMixin:
             ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
             srcs.append(ids[plan.src // bs] * bs + plan.src % bs)
             dsts.append(ids[plan.dst // bs] * bs + plan.dst % bs)
-            move_by.append((rid, st))
+            move_by.append((rid, st, st.generation))
             # no block at or past this slot is ever hashed for this request (_vt_cache_clean_prefix)
             st.min_dst_slot = min(st.min_dst_slot, int(plan.dst.min()))
             if self._vt_check:
@@ -484,9 +516,15 @@ class VTokenSchedulerMixin:
     # ------------------------------------------------------------------ free / preempt
     def _free_request_blocks(self, request):
         rid = request.request_id
+        st = self._vt_states.get(rid)
         if self._vt_caching and rid in self._vt_accounting.cache_cap:
             self._vt_cache_clean_prefix(request)
         super()._free_request_blocks(request)
+        if st is not None and not request.is_finished() and st.cfg.mode == "vtoken" and (st.decoding or st.resuming):
+            # Preempted while decoding: keep the token table; resume with the live tokens only.
+            st.prepare_resume()
+            self.vt_stats.preemption_resets += 1
+            return
         st = self._vt_states.pop(rid, None)
         if st is not None:
             if st.table.offset:
@@ -512,9 +550,26 @@ class VTokenSchedulerMixin:
         # step planned after the last processed one may still carry moves for this request
         # when it finishes (stop token, abort) and is applied after this. clean_len <= the
         # first moved-into slot by construction; the bound makes it explicit.
-        n = min(n, st.min_dst_slot, st.table.num_live, request.num_tokens,
+        # A request preempted again while it re-prefills (resuming) has KV for its first
+        # num_live - refill slots only.
+        n = min(n, st.min_dst_slot, st.table.num_live - st.refill, request.num_tokens,
                 len(request.block_hashes) * self.kv_cache_manager.block_pool.hash_block_size)
         self.vt_stats.prefix_blocks_cached_at_finish += self._vt_mgr.vt_cache_clean_prefix(request, n)
+
+    def _preempt_request(self, request, *args, **kwargs):
+        """vLLM's preemption, then: a request whose state was kept resumes at its offset.
+
+        Its ``num_computed_tokens`` becomes ``logical - live`` (vLLM reset it to 0): the
+        evicted tokens count as done, so at resume vLLM schedules the ``live`` tokens plus
+        the last sampled one, the KV manager allocates blocks for those only (through
+        :class:`BlockAccounting`), and no prefix-cache lookup is made (vLLM looks up only
+        requests with ``num_computed_tokens == 0``; a request that never evicted resumes at
+        0 and re-prefills everything, as stock).
+        """
+        super()._preempt_request(request, *args, **kwargs)
+        st = self._vt_states.get(request.request_id)
+        if st is not None and st.resuming:
+            request.num_computed_tokens = st.table.offset
 
     def _vt_record_finished(self, rid: str, st: RequestState) -> None:
         if len(self.vt_finished) >= 100_000:
@@ -525,9 +580,12 @@ class VTokenSchedulerMixin:
         s = self.vt_stats
         live = logical = retained = naive = dense = evicting = 0
         for rid, st in self._vt_states.items():
+            held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            if st.resuming and not held:
+                continue  # preempted, waiting to resume: holds nothing
             live += st.table.num_live
             logical += st.table.num_logical
-            retained += len(self._vt_mgr.req_to_blocks.get(rid, ()))
+            retained += held
             naive += st.naive.num_retained_blocks
             dense += cdiv(st.table.num_live, self._vt_bs)
             evicting += st.table.offset > 0

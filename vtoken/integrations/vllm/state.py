@@ -15,7 +15,7 @@ from typing import Any, Optional
 from vtoken.config import VTokenConfig
 from vtoken.policies.base import EvictionPolicy, SlotState
 from vtoken.repack import NaiveEvictCounter
-from vtoken.score_lag import ScoreLagQueue
+from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step
 from vtoken.token_table import TokenTable
 
 __all__ = ["RequestState", "VTokenStats", "cdiv"]
@@ -32,9 +32,12 @@ def cdiv(a: int, b: int) -> int:
 class RequestState:
     """vToken's state for one request (keyed by request id, never by batch row).
 
-    A new state is made when a request is first scheduled and again when it resumes after a
-    preemption (it then re-prefills all its logical tokens); ``generation`` tells the two
-    apart, so an in-flight step's statistics never reach a state made after it.
+    A state is made when a request is first scheduled. A preemption of a decoding request
+    under ``mode: vtoken`` keeps it (:meth:`prepare_resume`): the request resumes by
+    re-prefilling only its live tokens; otherwise (``naive``, or still in its first prefill)
+    the state is dropped and a new one made when the request is scheduled again.
+    ``generation`` changes at each of these, so an in-flight step's statistics never reach
+    a state (or a resumed request) made after it.
     """
 
     cfg: VTokenConfig
@@ -87,6 +90,37 @@ class RequestState:
     moved: int = 0
     #: (decode step, tokens asked of the policy) of every eviction: the oracle replays it
     evict_log: list = field(default_factory=list)
+    #: preempted and not yet resumed: the next scheduled tokens re-prefill the live tokens
+    resuming: bool = False
+    #: live tokens (a prefix of the slots) whose KV the resumed prefill has still to recompute
+    refill: int = 0
+    #: [decode step whose forward is the re-prefill, blocks held when it is scheduled (-1 until
+    #: then)] per preemption: the oracle replays the steps (``oracle_generate(preempt_at=...)``)
+    preempt_log: list = field(default_factory=list)
+
+    def prepare_resume(self) -> None:
+        """Keep this state across a preemption (the request's blocks are gone).
+
+        The live tokens are reordered into ascending logical order (so the re-prefill's
+        causal attention sees them in the order the dense oracle does), the policy state is
+        permuted with them, pending attention statistics are dropped (the oracle drops them
+        too) and a new ``generation`` makes any in-flight step's statistics stale. The
+        re-prefill is recorded as decode step ``d = decode_steps + 1``; eviction resumes at
+        decode step ``d + first_evicting_decode_step(needs, lag)`` (``d + 1``, or ``d + 1 + lag``
+        for a scoring policy), as after the first prefill.
+        """
+        order = self.table.sort_by_position()
+        self.pstate.compact(order)
+        self.lag.clear()
+        self.generation = next(_generation)
+        if not self.resuming:
+            self.preempt_log.append([self.decode_steps + 1, -1])
+        # as after the first prefill: a scoring policy evicts again once the re-prefill's
+        # statistics are folded in (decode step d + 1 + lag), whatever its chunking
+        self.first_evict = self.preempt_log[-1][0] + first_evicting_decode_step(self.policy.needs, self.lag.lag)
+        self.decoding = False
+        self.resuming = True
+        self.refill = self.table.num_live
 
     def lifetime(self, req_id: str) -> dict[str, Any]:
         """The finished request's lifetime figures (blocks are time averages over its steps)."""
@@ -98,7 +132,7 @@ class RequestState:
             full_avg_blocks=self.full_block_steps / n, full_peak_blocks=self.full_peak_blocks,
             evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
             protected=self.protected, cached_tokens=self.cached_tokens,
-            evict_log=[list(e) for e in self.evict_log],
+            evict_log=[list(e) for e in self.evict_log], preempt_log=[list(e) for e in self.preempt_log],
         )
 
 

@@ -10,6 +10,10 @@ their runner's seams. Per step, before any KV write of the step:
    tokens) and which requests want scores; the adapter then truncates its block-table rows;
 2. the adapter makes the slot mapping and attention's ``seq_lens`` physical with
    :meth:`batch_offsets` while positions stay logical (RoPE);
+   A request resuming after a preemption re-prefills its live tokens
+   (``payload.refill``): vLLM schedules them at positions ``offset..``, so the physical slots
+   above are already dense; :meth:`refill_inputs` gives the adapter the input ids and
+   logical (RoPE) positions to write over vLLM's for those tokens;
 3. :meth:`start_scoring` arms :class:`~vtoken.integrations.vllm.scoring.StepScores`, which the
    attention wrapper (:meth:`wrap_attention`) fills layer by layer;
 4. :meth:`take_scores` collects them; under tensor parallelism (each rank scores only its own
@@ -60,6 +64,7 @@ class VTokenWorkerCore:
         self.layout_for = layout_for
         self.offsets: dict[str, int] = {}  # req_id -> logical tokens minus live tokens (non-zero only)
         self.score_reqs: dict[str, int] = {}  # req_id -> AttentionNeed value, this step
+        self.refill: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # req_id -> (positions, ids), this step
         self.step: Optional[StepScores] = None
         self._caches: Optional[list[tuple[torch.Tensor, KVLayout]]] = None
         self._tp = None  # vLLM's TP GroupCoordinator, looked up on the first scored step
@@ -138,8 +143,10 @@ class VTokenWorkerCore:
                 else:
                     self.offsets.pop(rid, None)
             self.score_reqs = payload.scores
+            self.refill = payload.refill
         else:
             self.score_reqs = {}
+            self.refill = {}
         self.forget(finished)
 
     def forget(self, req_ids: Iterable[str]) -> None:
@@ -153,6 +160,36 @@ class VTokenWorkerCore:
             return None
         off = np.fromiter((self.offsets.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
         return off if off.any() else None
+
+    def refill_inputs(self, req_ids: list[str], query_start: np.ndarray
+                      ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Inputs of this step's re-prefilled live tokens (requests resuming after a preemption).
+
+        Args:
+            req_ids: the batch's request ids, batch order.
+            query_start: int ``[>= len(req_ids)]``, index of each row's first token in the
+                flattened batch.
+
+        Returns:
+            ``(index, positions, token_ids)``, int64 CPU tensors ``[R]``: flat token indices
+            and the logical positions / token ids to write there (the first ``r`` tokens of
+            each resuming row, ``r`` from ``payload.refill``); None when no row resumes.
+        """
+        if not self.refill:
+            return None
+        idx, pos, ids = [], [], []
+        for i, rid in enumerate(req_ids):
+            f = self.refill.get(rid)
+            if f is None:
+                continue
+            start = int(query_start[i])
+            idx.append(np.arange(start, start + len(f[0]), dtype=np.int64))
+            pos.append(f[0])
+            ids.append(f[1])
+        if not idx:
+            return None
+        return (torch.from_numpy(np.concatenate(idx)), torch.from_numpy(np.concatenate(pos)),
+                torch.from_numpy(np.concatenate(ids)))
 
     def start_scoring(self, req_ids: list[str]) -> None:
         """Arm :attr:`step` for the rows of this batch that asked for scores (batch order)."""
