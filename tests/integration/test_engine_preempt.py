@@ -125,5 +125,63 @@ def test_tokens_equal_oracle_replaying_the_preemption(run, tiny):
             assert list(plain.token_ids) != list(ref.token_ids), r["id"]
 
 
+# --------------------------------------------------------------------------------------
+# With prefix caching on (issue 12): a request preempted before its first eviction resumes at
+# num_computed_tokens 0, so vLLM looks it up in the prefix cache and it hits its own clean
+# prefix, cached at the preemption; the hit's blocks may be shared, so its protected prefix
+# grows to the hit (docs/integration.md, "Prefix caching", "Preemption").
+#
+# ``off`` (eviction off, 150 + 100 tokens) needs its 7th block at 193 tokens; ``u`` (h2o,
+# budget 120, slack 0, 70-token prompt) has then about 112 live tokens in 4 blocks and has not
+# evicted yet (it evicts past 120): vLLM preempts it. Its 3 full blocks are cached; ``off``
+# takes some of the freed blocks; ``u`` resumes when ``off`` ends, hitting what is left cached.
+
+VT_U = {"policy": "h2o", "budget": 120, "slack": 0, "recent_tokens": 8}
+PREFIX_REQUESTS = [dict(id="off", prompt_token_ids=_prompt(5, 150), max_tokens=100, extra_args={"vtoken_enable": False}),
+                   dict(id="u", prompt_token_ids=_prompt(8, 70), max_tokens=120, arrive_at_step=1)]
+
+
+@pytest.fixture(scope="module")
+def prefix_run(tiny):
+    eng = dict(model=tiny, dtype="float32", max_model_len=320, block_size=B, enforce_eager=True,
+               gpu_memory_utilization=0.1, num_gpu_blocks_override=NUM_BLOCKS, skip_tokenizer_init=True,
+               enable_prefix_caching=True)
+    hooks = f"{Path(__file__).resolve().parent / '_preempt_hooks.py'}:PreemptProbe"
+    return run_in_subprocess(dict(engine=eng, vtoken=VT_U, requests=PREFIX_REQUESTS, hooks=hooks),
+                             env=path_env("v1-sync"))
+
+
+def test_resume_hit_grows_the_protected_prefix(prefix_run, tiny):
+    """``u`` is preempted once, before evicting; it resumes with a prefix-cache hit, and its
+    protected prefix is that hit (whole blocks, below its 70-token prompt + generated tokens at
+    the preemption). Its tokens equal the oracle replaying the preemption with that protected
+    prefix, and the oracle without it evicts inside it (so the growth matters). All finish, the
+    pool returns, VTOKEN_CHECK=1 held every step (no move wrote a shared or hashed block)."""
+    import torch
+
+    from vtoken.oracle import load_oracle_model, oracle_generate
+
+    out = prefix_run
+    assert out["finish"] == {"off": "length", "u": "length"}
+    assert out["free_blocks_end"] == out["free_blocks_start"] == NUM_BLOCKS - 1
+    assert set(out["preempted_steps"]) == {"u"} and len(out["preempted_steps"]["u"]) == 1, out["preempted_steps"]
+    f = _finished(out, "u")
+    assert f["cached_tokens"] == 0  # no hit at its first admission
+    assert f["protected"] > 0 and f["protected"] % B == 0, f  # the resume's hit, in whole blocks
+    (d, _), = f["preempt_log"]
+    assert f["protected"] <= 70 + d, f  # the hit lies within the tokens it had when preempted
+    assert out["vtoken"]["stats"]["prefix_blocks_cached_at_finish"] >= f["protected"] // B
+    torch.set_num_threads(2)
+    model = load_oracle_model(tiny)
+    cfg = parse_config(VT_U)
+    u = PREFIX_REQUESTS[1]
+    ref = oracle_generate(model, u["prompt_token_ids"], u["max_tokens"], cfg, preempt_at=[d],
+                          protected_prefix=f["protected"])
+    assert out["tokens"]["u"] == list(ref.token_ids)
+    assert ref.num_evicted == f["evicted"] > 0
+    bare = oracle_generate(model, u["prompt_token_ids"], u["max_tokens"], cfg, preempt_at=[d])
+    assert min(p for step in bare.evicted_positions for p in step) < f["protected"], "protection never bound"
+
+
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([__file__, "-q"]))

@@ -1,7 +1,7 @@
 """What vToken refuses (issue 15, items 4, 5 and the README list), without an engine.
 
 * README's "What vToken refuses" block is exactly the one generated from
-  ``refusals.REFUSALS`` / ``OVERRIDES``, and its rows parse back to the same set;
+  ``refusals.REFUSALS``, and its rows parse back to the same set;
 * every start-up refusal in the table is raised somewhere in the code through
   :func:`refusals.refuse` (and nothing refuses outside the table);
 * model attention features the scorer does not reproduce (ALiBi, attention logit
