@@ -1,6 +1,6 @@
 """Markdown tables of the benchmark docs, rendered from the committed result files.
 
-``benchmarks/README_sla.md`` holds these tables between ``<!-- generated: ... -->`` and
+``benchmarks/README_sla.md`` and the top-level README hold these tables between ``<!-- generated: ... -->`` and
 ``<!-- end generated -->`` markers; ``tests/test_docs.py`` renders them again from the JSON
 files and checks the docs agree. To refresh the docs after a new run:
 ``python benchmarks/doc_tables.py`` prints every table. Pure JSON -> text (no vLLM, no torch).
@@ -63,7 +63,25 @@ def overhead_table(name: str = "overhead_small.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table}
+def quality_scale_table(name: str = "quality_scale.json") -> str:
+    """Per policy and budget of a ``bench_quality.py --scale`` result: NLL increase over the full
+    cache (nats/token) and next-token agreement with it, under fixed and pressure pacing, and the
+    mean live tokens at the end (pressure keeps what the pool allows)."""
+    d = _load(name)["oracle"]
+    by = {(r["policy"], r["budget"], r["pacing"]): r for r in d["summary"]}
+    rows = ["| policy | budget | fixed: ΔNLL | fixed: agreement | pressure: ΔNLL | pressure: agreement "
+            "| mean live tokens at the end, fixed / pressure |", "|---|---|---|---|---|---|---|"]
+    for pol in d["config"]["policies"]:
+        for b in d["config"]["budgets"]:
+            f, pr = by[(pol, b, "fixed")], by[(pol, b, "pressure")]
+            rows.append(f"| {pol} | {b} | +{f['delta_nll']:.3f} | {f['agree_full'] * 100:.1f} % "
+                        f"| +{pr['delta_nll']:.3f} | {pr['agree_full'] * 100:.1f} % "
+                        f"| {f['mean_final_live']:.0f} / {pr['mean_final_live']:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
+          "quality_scale_table": quality_scale_table}
 
 
 if __name__ == "__main__":

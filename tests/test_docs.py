@@ -249,6 +249,30 @@ def test_readme_quality_figures_match_result():
     assert f"+{min(r['delta_nll'] for r in rnd):.1f} to +{max(r['delta_nll'] for r in rnd):.1f} nats" in sec
 
 
+def test_readme_quality_scale_table_and_figures_match_result():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    readme = _readme()
+    assert _generated(readme, "benchmarks/doc_tables.py quality_scale_table") == doc_tables.quality_scale_table()
+    d = _load("quality_scale.json")
+    rows = {(r["policy"], r["budget"], r["pacing"]): r for r in d["oracle"]["summary"]}
+    sec = _section(readme, "**Quality at scale**", flat=True)
+    assert f"run time {d['meta']['total_wall_s']:,.0f} s" in sec
+    assert f"({rows[('full', None, None)]['nll']:.3f} nats/token)" in sec
+    assert d["oracle"]["config"]["n_conv"] == 40 and "40 long ShareGPT" in sec
+    for pol, label in (("h2o", "H2O"), ("tova", "TOVA")):
+        f, pr = rows[(pol, 128, "fixed")], rows[(pol, 128, "pressure")]
+        assert f"{label} +{f['delta_nll']:.3f} -> +{pr['delta_nll']:.3f}" in sec
+    # "pressure pacing halves or better the NLL cost of every policy" at budget 128
+    assert all(rows[(p, 128, "pressure")]["delta_nll"] <= rows[(p, 128, "fixed")]["delta_nll"] / 2
+               for p in d["oracle"]["config"]["policies"])
+    order = sorted(("tova", "scissorhands", "streaming", "h2o"), key=lambda p: rows[(p, 512, "fixed")]["delta_nll"])
+    assert order == ["tova", "scissorhands", "streaming", "h2o"]
+
+
 def test_readme_first_start_matches_result():
     d = _load("first_start.json")
     t, a = d["seconds_from_make_serve"], d["asset_steps_s"]
