@@ -80,8 +80,43 @@ def quality_scale_table(name: str = "quality_scale.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+def sla_headline_table(name: str = "sla.json") -> str:
+    """Per arm of a ``bench_sla.py`` result: SLA throughput (the highest swept rate up to which
+    attainment stays >= the threshold), peak goodput, preemptions over the sweep, and vToken over
+    Naive-Evict of the same policy spec (SLA rate and peak goodput)."""
+    d = _load(name)
+    head, ratios = d["headline"]["per_arm"], d["headline"]["ratios"]
+    rows = ["| arm | SLA throughput (req/s) | peak goodput (req/s) | preemptions | SLA rate / Naive-Evict "
+            "| peak goodput / Naive-Evict |", "|---|---|---|---|---|---|"]
+
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    for arm, h in head.items():
+        r = ratios.get(arm, {})
+        sla = "none" if h["sla_rate"] is None else f"{h['sla_rate']:g}"
+        rows.append(f"| {arm} | {sla} | {h['peak_goodput']:.3f} | {h['preemptions']:.0f} "
+                    f"| {x(r.get('vtoken_over_naive'))} | {x(r.get('peak_goodput_over_naive'))} |")
+    return "\n".join(rows) + "\n"
+
+
+def sla_k_grid_table(name: str = "sla.json") -> str:
+    """SLA rate per arm for every SLO scale of ``k_grid_sla_rate`` (TTFT k x the fitted unloaded
+    stock TTFT of the prompt's length, TPOT k x the unloaded stock P50 TPOT)."""
+    d = _load(name)
+    grid = d["k_grid_sla_rate"]
+    arms = list(d["arms"])
+    rows = ["| SLO scale | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    for key, row in grid.items():
+        cells = " | ".join("none" if row[a] is None else f"{row[a]:g}" for a in arms)
+        rows.append(f"| {key.replace(',', ', ')} | {cells} |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
-          "quality_scale_table": quality_scale_table}
+          "quality_scale_table": quality_scale_table,
+          "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
+          "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table}
 
 
 if __name__ == "__main__":
