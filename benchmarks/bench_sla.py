@@ -13,10 +13,12 @@ Method (DESIGN.md section 7, reference/peers.md D1):
   ``--ignore-eos`` (ShareGPT outputs are short; a fixed long output makes the budget bind and
   keeps the work identical across arms), Poisson arrivals, ``--seed 0``, a sweep of rates.
 * SLOs come from the unloaded latency measured in the same run on the stock arm
-  (``--max-concurrency 1``, a few prompts): ``SLO_ttft = k_ttft x P50 TTFT`` and
-  ``SLO_tpot = k_tpot x P50 TPOT`` and are passed to ``--goodput``.
-* Attainment at a rate = good requests / completed requests (= request_goodput /
-  request_throughput). SLA throughput of an arm = the highest swept rate such that it and
+  (``--max-concurrency 1``, a few prompts), per prompt token as in DistServe's goodput:
+  ``SLO_ttft(request) = k_ttft x (a + b x prompt tokens)`` with ``a, b`` a least-squares fit
+  of the unloaded TTFTs (``a`` clipped at 0), and ``SLO_tpot = k_tpot x P50 TPOT``. vLLM's
+  ``--goodput`` gets the TPOT bound (it takes one TTFT bound for all requests); the per-prompt
+  TTFT bound is applied to the saved per-request data.
+* Attainment at a rate = good requests / completed requests. SLA throughput of an arm = the highest swept rate such that it and
   every lower swept rate reach >= 90 % attainment (DistServe's 90 % target).
 * Preemptions: ``vllm:num_preemptions_total`` from ``/metrics`` before and after each rate;
   ``vllm:kv_cache_usage_perc`` / ``num_requests_running`` / ``num_requests_waiting`` polled

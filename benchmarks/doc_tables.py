@@ -1,6 +1,6 @@
 """Markdown tables of the benchmark docs, rendered from the committed result files.
 
-``benchmarks/README_sla.md`` holds these tables between ``<!-- generated: ... -->`` and
+``benchmarks/README_sla.md`` and the top-level README hold these tables between ``<!-- generated: ... -->`` and
 ``<!-- end generated -->`` markers; ``tests/test_docs.py`` renders them again from the JSON
 files and checks the docs agree. To refresh the docs after a new run:
 ``python benchmarks/doc_tables.py`` prints every table. Pure JSON -> text (no vLLM, no torch).
@@ -63,7 +63,60 @@ def overhead_table(name: str = "overhead_small.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table}
+def quality_scale_table(name: str = "quality_scale.json") -> str:
+    """Per policy and budget of a ``bench_quality.py --scale`` result: NLL increase over the full
+    cache (nats/token) and next-token agreement with it, under fixed and pressure pacing, and the
+    mean live tokens at the end (pressure keeps what the pool allows)."""
+    d = _load(name)["oracle"]
+    by = {(r["policy"], r["budget"], r["pacing"]): r for r in d["summary"]}
+    rows = ["| policy | budget | fixed: ΔNLL | fixed: agreement | pressure: ΔNLL | pressure: agreement "
+            "| mean live tokens at the end, fixed / pressure |", "|---|---|---|---|---|---|---|"]
+    for pol in d["config"]["policies"]:
+        for b in d["config"]["budgets"]:
+            f, pr = by[(pol, b, "fixed")], by[(pol, b, "pressure")]
+            rows.append(f"| {pol} | {b} | +{f['delta_nll']:.3f} | {f['agree_full'] * 100:.1f} % "
+                        f"| +{pr['delta_nll']:.3f} | {pr['agree_full'] * 100:.1f} % "
+                        f"| {f['mean_final_live']:.0f} / {pr['mean_final_live']:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
+def sla_headline_table(name: str = "sla.json") -> str:
+    """Per arm of a ``bench_sla.py`` result: SLA throughput (the highest swept rate up to which
+    attainment stays >= the threshold), peak goodput, preemptions over the sweep, and vToken over
+    Naive-Evict of the same policy spec (SLA rate and peak goodput)."""
+    d = _load(name)
+    head, ratios = d["headline"]["per_arm"], d["headline"]["ratios"]
+    rows = ["| arm | SLA throughput (req/s) | peak goodput (req/s) | preemptions | SLA rate / Naive-Evict "
+            "| peak goodput / Naive-Evict |", "|---|---|---|---|---|---|"]
+
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    for arm, h in head.items():
+        r = ratios.get(arm, {})
+        sla = "none" if h["sla_rate"] is None else f"{h['sla_rate']:g}"
+        rows.append(f"| {arm} | {sla} | {h['peak_goodput']:.3f} | {h['preemptions']:.0f} "
+                    f"| {x(r.get('vtoken_over_naive'))} | {x(r.get('peak_goodput_over_naive'))} |")
+    return "\n".join(rows) + "\n"
+
+
+def sla_k_grid_table(name: str = "sla.json") -> str:
+    """SLA rate per arm for every SLO scale of ``k_grid_sla_rate`` (TTFT k x the fitted unloaded
+    stock TTFT of the prompt's length, TPOT k x the unloaded stock P50 TPOT)."""
+    d = _load(name)
+    grid = d["k_grid_sla_rate"]
+    arms = list(d["arms"])
+    rows = ["| SLO scale | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    for key, row in grid.items():
+        cells = " | ".join("none" if row[a] is None else f"{row[a]:g}" for a in arms)
+        rows.append(f"| {key.replace(',', ', ')} | {cells} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
+          "quality_scale_table": quality_scale_table,
+          "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
+          "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table}
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def test_readme_metrics_table_is_generated_from_metrics_py():
     assert len(table.strip().splitlines()) == 2 + len(GAUGES) + len(COUNTERS)
 
 
-@pytest.mark.parametrize("name", ["sla_table", "sla_unloaded_table", "overhead_table"])
+@pytest.mark.parametrize("name", ["sla_table", "sla_unloaded_table", "overhead_table", "sla_headline_table",
+                                  "sla_full_table", "sla_full_unloaded_table", "sla_k_grid_table"])
 def test_readme_sla_tables_are_generated_from_results(name):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -204,25 +205,76 @@ def test_readme_overhead_figures_match_result():
 
 
 def test_readme_sla_figures_match_result():
-    d = _load("sla_small.json")
-    sec = _section(_readme(), "**SLA-constrained throughput**", flat=True)
-    slo = d["slo"]
-    assert f"TTFT <= 5 x {slo['unloaded_p50_ttft_ms']:.0f} ms = {slo['ttft_ms']:.0f} ms" in sec
-    assert f"TPOT <= 2 x {slo['unloaded_p50_tpot_ms']:.0f} ms = {slo['tpot_ms']:.0f} ms" in sec
-    assert all(a["sla_rate"] is None for a in d["arms"].values())  # "not reproduced"
-    pre = {arm: sum(r["preemptions"] for r in a["runs"]) for arm, a in d["arms"].items()}
-    assert f"stock preempts {pre['stock']:.0f} times" in sec
-    assert pre["naive-h2o"] == pre["vtoken-h2o"] == 0
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    readme = _readme()
+    assert _generated(readme, "benchmarks/doc_tables.py sla_headline_table") == doc_tables.sla_headline_table()
+    d = _load("sla.json")
+    sec = _section(readme, "**SLA-constrained throughput**", flat=True)
+    slo, cfg = d["slo"], d["config"]
+    assert f"run time {d['total_wall_s']:,.0f} s" in sec
+    loads = [r["load_average_1m"] for a in d["arms"].values() for r in a["runs"]]
+    assert f"load average {min(loads):.1f}-{max(loads):.1f} per rate" in sec
+    assert f"{cfg['num_prompts']} prompts per rate" in sec and f"budget {cfg['budget']}" in sec
+    assert f"a pool of {cfg['pool_blocks']} blocks x {cfg['block_size']} tokens" in sec
+    assert f"TTFT <= {slo['k_ttft']:g} x {slo['ttft_b_ms_per_token']:.2f} ms per prompt token" in sec
+    assert slo["ttft_a_ms"] == 0.0
+    assert f"TPOT <= {slo['k_tpot']:g} x {slo['unloaded_p50_tpot_ms']:.1f} ms = {slo['tpot_ms']:.1f} ms" in sec
+    arms = d["arms"]
 
-    def rng(arm, key, fmt="{:.0f}"):
-        v = [r[key] for r in d["arms"][arm]["runs"]]
-        return f"{fmt.format(min(v))}-{fmt.format(max(v))}"
+    def run(arm, rate):
+        return next(r for r in arms[arm]["runs"] if r["rate"] == rate)
 
-    assert f"vToken {rng('vtoken-h2o', 'p99_tpot_ms')} ms" in sec
-    assert f"Naive-Evict {rng('naive-h2o', 'p99_tpot_ms')} ms" in sec
-    assert f"stock {rng('stock', 'p99_tpot_ms')} ms" in sec
-    assert f"{rng('vtoken-h2o', 'kv_cache_usage_perc_max', '{:.2f}')} vs Naive-Evict's " \
-           f"{rng('naive-h2o', 'kv_cache_usage_perc_max', '{:.2f}')}" in sec
+    ratios = d["headline"]["ratios"]
+    assert ratios["vtoken-random-pressure"]["vtoken_over_naive"] == 2.0 and "**2.00x** (1 vs 0.5 req/s)" in sec
+    assert arms["vtoken-random-pressure"]["sla_rate"] == 1.0 and arms["naive-random"]["sla_rate"] == 0.5
+    assert ratios["vtoken-random"]["vtoken_over_naive"] == 1.0 and "1.00x (0.5 vs 0.5 req/s)" in sec
+    # "no arm, Naive-Evict included, reaches 90 % at 0.5 req/s" for H2O
+    assert all(a["sla_rate"] is None for n, a in arms.items() if "h2o" in n)
+    p, nv, st = run("vtoken-random-pressure", 1.0), run("naive-random", 1.0), run("stock", 1.0)
+    assert f"{p['attainment'] * 100:.0f} % of requests (Naive-Evict {nv['attainment'] * 100:.0f} %, " \
+           f"stock {st['attainment'] * 100:.0f} %)" in sec
+    assert p["preemptions"] == 0 and f"(Naive-Evict {nv['preemptions']:.0f}, stock {st['preemptions']:.0f})" in sec
+    n = cfg["num_prompts"]
+    assert f"{round(p['attainment'] * n)} of {n} requests against {round(nv['attainment'] * n)} of {n}" in sec
+    p2, n2 = run("vtoken-random-pressure", 2.0), run("naive-random", 2.0)
+    assert f"goodput was {p2['request_goodput']:.3f} req/s against {n2['request_goodput']:.3f}" in sec
+    pre = {a: sum(r["preemptions"] for r in arms[a]["runs"]) for a in arms}
+    assert pre["vtoken-random"] == 0 and f"(Naive-Evict: {pre['naive-random']:.0f} preemptions" in sec
+    v3, n3 = run("vtoken-random", 3.0), run("naive-random", 3.0)
+    assert f"({v3['request_throughput']:.3f} req/s at 3 req/s against Naive-Evict's {n3['request_throughput']:.3f})" in sec
+    assert f"({v3['num_requests_running_max']:.0f} against {n3['num_requests_running_max']:.0f})" in sec
+    v2 = run("vtoken-random", 2.0)
+    assert f"P50 TPOT at 2 req/s was {v2['p50_tpot_ms']:.0f} ms against Naive-Evict's {n2['p50_tpot_ms']:.0f} ms" in sec
+    assert v2["p50_tpot_ms"] > slo["tpot_ms"] > n2["p50_tpot_ms"]
+    un = {a: arms[a]["unloaded"]["p50_tpot_ms"] for a in arms}
+    assert f"{un['naive-h2o']:.1f} ms for Naive-Evict H2O and {un['vtoken-h2o']:.1f} ms for vToken H2O " \
+           f"against stock's {un['stock']:.1f} ms" in sec
+    assert f"rose to {run('vtoken-h2o-pressure', 0.5)['p50_tpot_ms']:.0f} ms" in sec
+    assert f"(vToken: {run('vtoken-h2o-se4', 1.0)['attainment']:.2f} attainment at 1 req/s against " \
+           f"{run('vtoken-h2o', 1.0)['attainment']:.2f})" in sec
+
+
+def test_readme_sla_grid_and_counters_match_result():
+    d = _load("sla.json")
+    text = (ROOT / "benchmarks" / "README_sla.md").read_text()
+    sec = text[text.index("## Results: SLA, full sweep"):text.index("## Results: SLA, small")]
+    flat = " ".join(sec.split())
+    grid = d["k_grid_sla_rate"]
+    rank = {None: -1.0}
+    cmp = [(rank.get(g["vtoken-random-pressure"], g["vtoken-random-pressure"]),
+            rank.get(g["naive-random"], g["naive-random"])) for g in grid.values()]
+    ahead = sum(a > b for a, b in cmp)
+    assert all(a >= b for a, b in cmp)
+    assert f"ahead of Naive-Evict at {ahead} of the {len(grid)} SLO scales and level at the rest" in flat
+    g = grid["k_ttft=20,k_tpot=3"]
+    assert (g["vtoken-random"], g["naive-random"]) == (2.0, 1.0) and "(k_TPOT 3, k_TTFT 20) it reaches 2 req/s against 1" in flat
+    r = next(x for x in d["arms"]["vtoken-h2o"]["runs"] if x["rate"] == 0.5)
+    assert f"{r['vtoken_counters']['vtoken:repack_seconds_total']:.1f} s over the whole 0.5 req/s run" in flat
+    assert f"{d['total_wall_s']:,.0f} s (`results/sla.json`" in text
 
 
 def test_readme_soak_figures_match_result():
@@ -247,6 +299,30 @@ def test_readme_quality_figures_match_result():
     alo, ahi = min(r["agree_full"] for r in att), max(r["agree_full"] for r in att)
     assert f"{alo * 100:.0f}-{ahi * 100:.0f} % next-token agreement" in sec
     assert f"+{min(r['delta_nll'] for r in rnd):.1f} to +{max(r['delta_nll'] for r in rnd):.1f} nats" in sec
+
+
+def test_readme_quality_scale_table_and_figures_match_result():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    readme = _readme()
+    assert _generated(readme, "benchmarks/doc_tables.py quality_scale_table") == doc_tables.quality_scale_table()
+    d = _load("quality_scale.json")
+    rows = {(r["policy"], r["budget"], r["pacing"]): r for r in d["oracle"]["summary"]}
+    sec = _section(readme, "**Quality at scale**", flat=True)
+    assert f"run time {d['meta']['total_wall_s']:,.0f} s" in sec
+    assert f"({rows[('full', None, None)]['nll']:.3f} nats/token)" in sec
+    assert d["oracle"]["config"]["n_conv"] == 40 and "40 long ShareGPT" in sec
+    for pol, label in (("h2o", "H2O"), ("tova", "TOVA")):
+        f, pr = rows[(pol, 128, "fixed")], rows[(pol, 128, "pressure")]
+        assert f"{label} +{f['delta_nll']:.3f} -> +{pr['delta_nll']:.3f}" in sec
+    # "pressure pacing halves or better the NLL cost of every policy" at budget 128
+    assert all(rows[(p, 128, "pressure")]["delta_nll"] <= rows[(p, 128, "fixed")]["delta_nll"] / 2
+               for p in d["oracle"]["config"]["policies"])
+    order = sorted(("tova", "scissorhands", "streaming", "h2o"), key=lambda p: rows[(p, 512, "fixed")]["delta_nll"])
+    assert order == ["tova", "scissorhands", "streaming", "h2o"]
 
 
 def test_readme_first_start_matches_result():
