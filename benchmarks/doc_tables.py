@@ -113,10 +113,55 @@ def sla_k_grid_table(name: str = "sla.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+SLA_FINE = ("sla_random_fine_r05.json", "sla_random_fine.json")
+
+
+def sla_merged_runs(names: tuple[str, ...] = SLA_FINE, thr: float = 0.9) -> dict[str, dict]:
+    """Per arm, the runs of several ``bench_sla.py`` results made with the same SLOs
+    (``--slo-from``) and sorted by rate, plus the SLA rate over the union of their rates (the
+    highest rate up to which every rate keeps attainment >= ``thr``).
+
+    Raises:
+        ValueError: the files were made with different SLOs or prompt counts.
+    """
+    ds = [_load(n) for n in names]
+    keys = {(d["slo"]["ttft_b_ms_per_token"], d["slo"]["tpot_ms"], d["config"]["num_prompts"]) for d in ds}
+    if len(keys) != 1:
+        raise ValueError(f"{names}: made with different SLOs or prompt counts: {sorted(keys)}")
+    out: dict[str, dict] = {}
+    for d in ds:
+        for arm, a in d["arms"].items():
+            out.setdefault(arm, {"runs": []})["runs"].extend(a["runs"])
+    for rec in out.values():
+        rec["runs"].sort(key=lambda r: r["rate"])
+        rec["sla_rate"] = None
+        for r in rec["runs"]:
+            if r["attainment"] is None or r["attainment"] < thr:
+                break
+            rec["sla_rate"] = r["rate"]
+    return out
+
+
+def sla_fine_table(names: tuple[str, ...] = SLA_FINE) -> str:
+    """The Random arms' replicate on a finer rate grid: attainment / goodput (req/s) /
+    preemptions per rate, and the SLA rate over all the rates of ``names``."""
+    arms = sla_merged_runs(names)
+    rates = [r["rate"] for r in next(iter(arms.values()))["runs"]]
+    rows = ["| arm | " + " | ".join(f"{r:g} req/s" for r in rates) + " | SLA throughput (req/s) |",
+            "|---|" + "---|" * (len(rates) + 1)]
+    for arm, rec in arms.items():
+        cells = " | ".join(f"{r['attainment']:.2f} / {r['request_goodput']:.3f} / {r['preemptions']:.0f}"
+                           for r in rec["runs"])
+        sla = "none" if rec["sla_rate"] is None else f"{rec['sla_rate']:g}"
+        rows.append(f"| {arm} | {cells} | {sla} |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
-          "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table}
+          "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
+          "sla_fine_table": sla_fine_table}
 
 
 if __name__ == "__main__":

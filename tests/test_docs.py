@@ -74,7 +74,8 @@ def test_readme_metrics_table_is_generated_from_metrics_py():
 
 
 @pytest.mark.parametrize("name", ["sla_table", "sla_unloaded_table", "overhead_table", "sla_headline_table",
-                                  "sla_full_table", "sla_full_unloaded_table", "sla_k_grid_table"])
+                                  "sla_full_table", "sla_full_unloaded_table", "sla_k_grid_table",
+                                  "sla_fine_table"])
 def test_readme_sla_tables_are_generated_from_results(name):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -275,6 +276,38 @@ def test_readme_sla_grid_and_counters_match_result():
     r = next(x for x in d["arms"]["vtoken-h2o"]["runs"] if x["rate"] == 0.5)
     assert f"{r['vtoken_counters']['vtoken:repack_seconds_total']:.1f} s over the whole 0.5 req/s run" in flat
     assert f"{d['total_wall_s']:,.0f} s (`results/sla.json`" in text
+
+
+def test_sla_fine_replicate_figures_match_results():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    readme = _readme()
+    assert _generated(readme, "benchmarks/doc_tables.py sla_fine_table") == doc_tables.sla_fine_table()
+    arms = doc_tables.sla_merged_runs()
+    flat = " ".join(_section(readme, "**Replicate on a finer grid**", flat=True).split())
+    assert arms["vtoken-random"]["sla_rate"] == arms["vtoken-random-pressure"]["sla_rate"] == 0.75
+    assert arms["naive-random"]["sla_rate"] is None
+    run = {a: {r["rate"]: r for r in rec["runs"]} for a, rec in arms.items()}
+    nv, vt, pr = run["naive-random"], run["vtoken-random"], run["vtoken-random-pressure"]
+    n = _load("sla_random_fine.json")["config"]["num_prompts"]
+    assert f"({round(nv[0.5]['attainment'] * n)} of {n} good requests)" in flat
+    assert f"0.90 is {round(vt[0.75]['attainment'] * n)} of {n}" in flat
+    for rate in (1.25, 1.5):
+        ratio = vt[rate]["request_goodput"] / nv[rate]["request_goodput"]
+        assert f"{ratio:.2f}x" in flat and vt[rate]["preemptions"] == 0
+    assert f"({vt[1.25]['request_goodput']:.3f} against {nv[1.25]['request_goodput']:.3f})" in flat
+    assert f"(Naive-Evict: {nv[1.25]['preemptions']:.0f} and {nv[1.5]['preemptions']:.0f})" in flat
+    assert f"(goodput {pr[1.25]['request_goodput']:.3f} against {vt[1.25]['request_goodput']:.3f} at 1.25 req/s)" in flat
+    text = " ".join((ROOT / "benchmarks" / "README_sla.md").read_text().split())
+    assert f"(mean KV usage {pr[1.25]['kv_cache_usage_perc_mean']:.2f} against {vt[1.25]['kv_cache_usage_perc_mean']:.2f}" in text
+    assert f"({pr[1.25]['p50_tpot_ms']:.1f} against {vt[1.25]['p50_tpot_ms']:.1f} ms)" in text
+    loads = [r["load_average_1m"] for rec in arms.values() for r in rec["runs"]]
+    assert f"load average {min(loads):.1f}-{max(loads):.1f} per rate" in text
+    walls = [_load(n)["total_wall_s"] for n in ("sla_random_fine.json", "sla_random_fine_r05.json")]
+    assert f"{walls[0]:.0f} s + {walls[1]:.0f} s" in text
 
 
 def test_readme_soak_figures_match_result():
