@@ -32,7 +32,7 @@ SERVER_ARGS = [
     # tokens and eviction counts with the dense oracle, which needs each request's protected
     # prefix (its cache hit); chat requests share the chat template's first tokens, so a hit
     # would shift it. They run without it; prefix caching with vToken is covered by
-    # tests/integration/test_prefix_caching.py, the soak and the README demo
+    # tests/integration/test_prefix_caching.py, tests/e2e/test_prefix_multiturn.py, the soak and the README demo
     # (tests/e2e/test_vllm_serve.py::test_readme_demo_frees_blocks: make serve's command, with
     # vLLM's default on).
     "--no-enable-prefix-caching",

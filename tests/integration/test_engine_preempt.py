@@ -131,12 +131,12 @@ def test_tokens_equal_oracle_replaying_the_preemption(run, tiny):
 # prefix, cached at the preemption; the hit's blocks may be shared, so its protected prefix
 # grows to the hit (docs/integration.md, "Prefix caching", "Preemption").
 #
-# ``off`` (eviction off, 150 + 100 tokens) needs its 7th block at 193 tokens; ``u`` (h2o,
+# ``off`` (eviction off, 150 + 100 tokens) needs its 7th block at 193 tokens; ``u`` (streaming, 4 sinks,
 # budget 120, slack 0, 70-token prompt) has then about 112 live tokens in 4 blocks and has not
 # evicted yet (it evicts past 120): vLLM preempts it. Its 3 full blocks are cached; ``off``
 # takes some of the freed blocks; ``u`` resumes when ``off`` ends, hitting what is left cached.
 
-VT_U = {"policy": "h2o", "budget": 120, "slack": 0, "recent_tokens": 8}
+VT_U = {"policy": "streaming", "budget": 120, "slack": 0, "sink_tokens": 4}
 PREFIX_REQUESTS = [dict(id="off", prompt_token_ids=_prompt(5, 150), max_tokens=100, extra_args={"vtoken_enable": False}),
                    dict(id="u", prompt_token_ids=_prompt(8, 70), max_tokens=120, arrive_at_step=1)]
 
