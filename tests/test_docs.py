@@ -310,6 +310,27 @@ def test_sla_fine_replicate_figures_match_results():
     assert f"{walls[0]:.0f} s + {walls[1]:.0f} s" in text
 
 
+def test_readme_prefix_cache_figures_match_result():
+    d = _load("prefix_cache_sharegpt.json")
+    arms = {a["arm"]: a for a in d["arms"]}
+    sec = _section(_readme(), "**Prefix caching with vToken**", flat=True)
+    assert d["meta"]["command"] == "python benchmarks/bench_prefix_cache.py"
+    assert f"{d['args']['conversations']} ShareGPT chats x {d['args']['turns']} turns" in sec
+    assert f"{d['args']['max_tokens']} output tokens" in sec
+    for arm, label in (("stock", "stock vLLM"), ("vtoken", "vToken H2O budget 128, default rule (protect the hit)"),
+                       ("vtoken_protect_prompt", "vToken H2O budget 128, `protect_cached_prefix: true`"),
+                       ("vtoken_large_budget", "vToken H2O budget 256, default rule")):
+        a = arms[arm]
+        ev = "-" if a["evicted_tokens"] is None else f"{a['evicted_tokens']:,.0f}"
+        row = (f"| {label} | {a['prefix_cache_hit_rate'] * 100:.0f} % | {a['blocks_mean']:.1f} / "
+               f"{a['blocks_peak']:.0f} | {ev} |")
+        assert row in sec, row
+    s, lb = arms["stock"], arms["vtoken_large_budget"]
+    assert f"{lb['prefix_cache_hit_rate'] * 100:.0f} % of the prompt tokens hit" in sec
+    assert f"drops by {(1 - lb['blocks_mean'] / s['blocks_mean']) * 100:.0f} %" in sec
+    assert f"peak by {(1 - lb['blocks_peak'] / s['blocks_peak']) * 100:.0f} %" in sec
+
+
 def test_readme_soak_figures_match_result():
     d = _load("soak_2026-11-30.json")
     f = d["figures"]
