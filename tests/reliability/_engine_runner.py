@@ -48,9 +48,9 @@ class FaultHooks(harness.RunHooks):
         self.engine, self.sched = engine, sched
         orig_evict = sched._vt_evict
 
-        def _vt_evict(rid, st, k, payload, srcs, dsts):
+        def _vt_evict(rid, st, *a, **kw):  # pass through whatever the scheduler's signature is
             e0, m0 = st.evicted, st.moved
-            orig_evict(rid, st, k, payload, srcs, dsts)
+            orig_evict(rid, st, *a, **kw)
             self.evict_log.setdefault(rid, []).append([self.cur["step"], st.evicted - e0, st.moved - m0])
 
         sched._vt_evict = _vt_evict

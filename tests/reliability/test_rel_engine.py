@@ -115,6 +115,7 @@ def solo_run(tiny_path):
     out = {}
     for g in _run(spec, "solo")["groups"]:
         assert g["preemptions"][g["name"]] == 0
+        assert g["stats_delta"]["request_faults"] == 0, g["name"]  # a fault would turn eviction off
         assert g["free_blocks_end"] == g["free_blocks_start"] == g["num_blocks"] - 1
         out[g["name"]] = g["tokens"][g["name"]]
     return out
@@ -126,6 +127,9 @@ def test_pool_back_to_start_and_nothing_tracked(batch_run, group):
     assert g["free_blocks_start"] == g["num_blocks"] - 1 == 39
     assert g["free_blocks_end"] == g["free_blocks_start"]
     assert g["vt_states_left"] == g["vt_req_cfg_left"] == g["requests_left"] == 0
+    # no injected abort is a fault; a fault here (e.g. a hook out of step with the scheduler)
+    # would quietly turn eviction off and make the solo comparison vacuous
+    assert g["stats_delta"]["request_faults"] == 0
 
 
 def test_isolation_mixed_batch_equals_solo(batch_run, solo_run):
@@ -214,6 +218,7 @@ def async_runs(tiny_path):
     solo_tokens = {}
     for g in sout["groups"]:
         assert g["preemptions"][g["name"]] == 0
+        assert g["stats_delta"]["request_faults"] == 0, g["name"]  # a fault would turn eviction off
         assert g["free_blocks_end"] == g["free_blocks_start"] == g["num_blocks"] - 1
         solo_tokens[g["name"]] = g["tokens"][g["name"]]
     return batch, solo_tokens
@@ -230,6 +235,7 @@ def test_mrv2_async_aborts_storm_and_isolation(async_runs):
     for name, g in batch.items():
         assert g["free_blocks_end"] == g["free_blocks_start"] == g["num_blocks"] - 1, name
         assert g["vt_states_left"] == 0 and g["vt_req_cfg_left"] == 0, name
+        assert g["stats_delta"]["request_faults"] == 0, name
     f = batch["faults"]
     for rid in ABORTED:
         assert f["finish"][rid] == "abort", rid
