@@ -157,11 +157,25 @@ def sla_fine_table(names: tuple[str, ...] = SLA_FINE) -> str:
     return "\n".join(rows) + "\n"
 
 
+def step_split_table(name: str = "step_split.json") -> str:
+    """Per arm of a ``bench_step_split.py`` result: median ms per decode step for each part, the
+    step, and the step time over stock's."""
+    d = _load(name)
+    parts = d["config"]["parts"]
+    rows = ["| arm | " + " | ".join(parts) + " | step (ms) | step / stock |",
+            "|---|" + "---|" * (len(parts) + 2)]
+    for arm, r in d["results"].items():
+        m = r["median_ms"]
+        rows.append(f"| {arm} | " + " | ".join(f"{m[p]:.2f}" for p in parts)
+                    + f" | {m['step']:.2f} | {r['step_over_stock']:.2f}x |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
           "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
-          "sla_fine_table": sla_fine_table}
+          "sla_fine_table": sla_fine_table, "step_split_table": step_split_table}
 
 
 if __name__ == "__main__":
