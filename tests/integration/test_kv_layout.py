@@ -12,7 +12,8 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from vtoken.integrations.vllm.kv_layout import _regions, gather_keys_cpu, move_tokens_cpu, probe_cpu_layout  # noqa: E402
+from vtoken.integrations.vllm.kv_layout import (  # noqa: E402
+    CPUKVLayout, TokenLayout, _regions, gather_keys_cpu, move_tokens_cpu, probe_cpu_layout)
 
 
 def _cases():
@@ -72,3 +73,54 @@ def test_probe_layout_is_a_permutation_per_block():
     # vec layout: K transposed (dim-major), V token-major
     assert lay.idx_k[1, 0] == 1 and lay.idx_k[0, 1] == 32
     assert lay.idx_v[1, 0] == 64 and lay.idx_v[0, 1] == 1
+
+
+def _general(layout):
+    """The same maps with the strided fast paths off (the element-wise gather/scatter path)."""
+    lay = TokenLayout(idx_k=layout.idx_k, idx_v=layout.idx_v)
+    object.__setattr__(lay, "k_strides", None)
+    object.__setattr__(lay, "v_strides", None)
+    return lay
+
+
+def test_vec_layouts_take_the_strided_path_and_amx_like_maps_do_not():
+    lay = probe_cpu_layout(torch.bfloat16, "vec", 32, 64, 3)
+    assert lay.k_strides == (1, 32) and lay.v_strides == (64, 1)
+    # pairs interleaved (as amx packs bf16): not affine, so the general path is used
+    bs, hd = 4, 4
+    o, d = torch.arange(bs)[:, None], torch.arange(hd)[None, :]
+    pairs = (d // 2) * (2 * bs) + o * 2 + d % 2
+    assert sorted(pairs.flatten().tolist()) == list(range(bs * hd))
+    assert TokenLayout(idx_k=pairs, idx_v=pairs).k_strides is None
+
+
+@pytest.mark.parametrize("dtype,isa", _cases())
+def test_strided_paths_equal_the_general_path(dtype, isa):
+    """Moves, single-request key reads and StepScores' batched reads (padded rows whose indices
+    repeat the last block, as ``StepScores._build`` makes them) give bit-identical results on the
+    strided fast path and on the element-wise path, for every layout this machine probes."""
+    g = torch.Generator().manual_seed(1)
+    nb, H, bs, hd = 24, 3, 32, 64
+    layout = probe_cpu_layout(dtype, isa, bs, hd, H)
+    slow = _general(layout)
+    kv = torch.randn(nb, H, bs, 2 * hd, generator=g).to(dtype)
+    lens = [150, 97, 1, 32]
+    bt = torch.stack([torch.randperm(nb, generator=g)[:5] for _ in lens])  # [R, 5] block-table rows
+    for r, n in enumerate(lens):
+        assert torch.equal(gather_keys_cpu(kv, layout, bt[r], n), gather_keys_cpu(kv, slow, bt[r], n))
+    max_n = max(lens)
+    s = torch.arange(max_n)
+    blocks = bt[:, (s // bs).clamp(max=bt.shape[1] - 1)]
+    fast_b = CPUKVLayout(layout).gather_keys_batched(kv, blocks, s % bs)
+    slow_b = CPUKVLayout(slow).gather_keys_batched(kv, blocks, s % bs)
+    assert fast_b.shape == (len(lens), H, max_n, hd) and torch.equal(fast_b, slow_b)
+    # indices not in whole-block order fall back (and still agree)
+    shuffled = blocks[:, torch.randperm(max_n, generator=g)]
+    assert torch.equal(CPUKVLayout(layout).gather_keys_batched(kv, shuffled, s % bs),
+                       CPUKVLayout(slow).gather_keys_batched(kv, shuffled, s % bs))
+    perm = torch.randperm(nb * bs, generator=g)
+    src, dst = perm[:60], perm[60:120]
+    a, b = kv.clone(), kv.clone()
+    move_tokens_cpu(a, layout, src, dst)
+    move_tokens_cpu(b, slow, src, dst)
+    assert torch.equal(a, b) and not torch.equal(a, kv)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -52,10 +52,40 @@ class TokenLayout:
 
     idx_k: torch.Tensor
     idx_v: torch.Tensor
+    #: ``(offset stride, dim stride)`` when ``idx_k[o, d] == o * a + d * b`` (the ``vec`` layouts),
+    #: else None; then moves and key reads use strided views instead of element-wise gathers
+    k_strides: Optional[tuple[int, int]] = field(init=False, repr=False, compare=False)
+    v_strides: Optional[tuple[int, int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k_strides", _affine_strides(self.idx_k))
+        object.__setattr__(self, "v_strides", _affine_strides(self.idx_v))
 
     @property
     def block_size(self) -> int:
         return int(self.idx_k.shape[0])
+
+
+def _affine_strides(idx: torch.Tensor) -> Optional[tuple[int, int]]:
+    """``(a, b)`` with ``idx[o, d] == o * a + d * b`` for every (offset, dim), or None."""
+    bs, hd = idx.shape
+    a = int(idx[1, 0] - idx[0, 0]) if bs > 1 else 1
+    b = int(idx[0, 1] - idx[0, 0]) if hd > 1 else 1
+    if int(idx[0, 0]) != 0 or a <= 0 or b <= 0:
+        return None
+    o = torch.arange(bs, dtype=idx.dtype)[:, None]
+    d = torch.arange(hd, dtype=idx.dtype)[None, :]
+    return (a, b) if torch.equal(idx, o * a + d * b) else None
+
+
+def _token_view(kv_cache: torch.Tensor, which: int, strides: tuple[int, int]) -> torch.Tensor:
+    """``[num_blocks, num_kv_heads, block_size, head_size]`` view of the K (``which`` 0) or V (1)
+    regions of a layer whose in-region layout is affine with ``strides`` (a view: writes land in
+    ``kv_cache``)."""
+    nb, H, bs, two_hd = kv_cache.shape
+    hd = two_hd // 2
+    flat = kv_cache.view(nb, H, 2, bs * hd)[:, :, which, :]
+    return flat.as_strided((nb, H, bs, hd), (flat.stride(0), flat.stride(1), *strides), flat.storage_offset())
 
 
 @lru_cache(maxsize=None)
@@ -121,9 +151,14 @@ def move_tokens_cpu(kv_cache: torch.Tensor, layout: TokenLayout, src: torch.Tens
     if src.numel() == 0:
         return
     bs = layout.block_size
-    kr, vr = _regions(kv_cache)
     sb, so = src // bs, src % bs
     db, do = dst // bs, dst % bs
+    if layout.k_strides is not None and layout.v_strides is not None:
+        for which, strides in ((0, layout.k_strides), (1, layout.v_strides)):
+            view = _token_view(kv_cache, which, strides)
+            view[db, :, do, :] = view[sb, :, so, :]  # [M, H, hd] (a copy: gather first)
+        return
+    kr, vr = _regions(kv_cache)
     for region, idx in ((kr, layout.idx_k), (vr, layout.idx_v)):
         vals = region[sb[:, None], idx[so]]  # [M, hd, H] (a copy: gather first)
         region[db[:, None], idx[do]] = vals
@@ -141,6 +176,10 @@ def gather_keys_cpu(kv_cache: torch.Tensor, layout: TokenLayout, block_ids: torc
         float32 ``[num_kv_heads, num_tokens, head_size]``.
     """
     bs = layout.block_size
+    if layout.k_strides is not None:
+        nblk = -(-num_tokens // bs)
+        kb = _token_view(kv_cache, 0, layout.k_strides)[block_ids[:nblk]].float()  # [nblk, H, bs, hd]
+        return kb.permute(1, 0, 2, 3).reshape(kb.shape[1], nblk * bs, kb.shape[3])[:, :num_tokens]
     kr, _ = _regions(kv_cache)
     s = torch.arange(num_tokens)
     b = block_ids[s // bs]
@@ -185,7 +224,20 @@ class CPUKVLayout:
         return gather_keys_cpu(kv_cache, self.token_layout, block_ids, num_tokens)
 
     def gather_keys_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        idx = self.token_layout.idx_k[offsets]  # [n, hd]
+        lay = self.token_layout
+        R, n = blocks.shape
+        bs = lay.block_size
+        if lay.k_strides is not None and n > 0:
+            # Whole blocks in block-table order (how StepScores builds its indices): copy each
+            # block's keys through a strided view, not token by token (about 6x faster here).
+            bt = blocks[:, ::bs]  # [R, nblk]
+            nblk = bt.shape[1]
+            if torch.equal(offsets, torch.arange(n) % bs) and torch.equal(
+                    blocks, bt.repeat_interleave(bs, dim=1)[:, :n]):
+                kb = _token_view(kv_cache, 0, lay.k_strides)[bt].float()  # [R, nblk, H, bs, hd]
+                H, hd = kb.shape[2], kb.shape[4]
+                return kb.permute(0, 2, 1, 3, 4).reshape(R, H, nblk * bs, hd)[:, :, :n]
+        idx = lay.idx_k[offsets]  # [n, hd]
         kr, _ = _regions(kv_cache)  # [nb, bs*hd, Hkv]
         k = kr[blocks[:, :, None], idx[None]]  # [R, n, hd, Hkv]
         return k.permute(0, 3, 1, 2).float()
