@@ -175,7 +175,8 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
           "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
-          "sla_fine_table": sla_fine_table, "step_split_table": step_split_table}
+          "sla_fine_table": sla_fine_table, "step_split_table": step_split_table,
+          "step_split_elementwise_table": lambda: step_split_table("step_split_elementwise_gather.json")}
 
 
 if __name__ == "__main__":

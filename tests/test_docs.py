@@ -75,7 +75,7 @@ def test_readme_metrics_table_is_generated_from_metrics_py():
 
 @pytest.mark.parametrize("name", ["sla_table", "sla_unloaded_table", "overhead_table", "sla_headline_table",
                                   "sla_full_table", "sla_full_unloaded_table", "sla_k_grid_table",
-                                  "sla_fine_table"])
+                                  "sla_fine_table", "step_split_table", "step_split_elementwise_table"])
 def test_readme_sla_tables_are_generated_from_results(name):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -203,6 +203,32 @@ def test_readme_overhead_figures_match_result():
         assert f"**{x['ratio_median']:.2f}x**" in sec
         assert f"min-max {x['ratio_min']:.2f}-{x['ratio_max']:.2f}" in sec
     assert f"median of {len(r['evict']['step_ms'])}" in sec
+
+
+def test_readme_step_split_figures_match_results():
+    """The README's step-split paragraph quotes both result files (before and after the strided
+    key reads); every figure is re-derived here from them."""
+    sec = _section(_readme(), "**Where a decode step's time goes**", flat=True)
+    old = _load("step_split_elementwise_gather.json")["results"]
+    new = _load("step_split.json")["results"]
+    for res in (old, new):
+        assert set(res) == {"stock", "naive-h2o", "vtoken-h2o", "vtoken-h2o-se4", "vtoken-h2o-pressure",
+                            "vtoken-random"}
+    o, n = old["vtoken-h2o"]["median_ms"], old["vtoken-h2o-pressure"]["median_ms"]
+    assert f"{o['scoring']:.1f} ms of vToken H2O's {o['step']:.1f} ms step" in sec
+    assert f"{n['scoring']:.1f} ms of pressure-paced H2O's {n['step']:.1f} ms" in sec
+    assert f"({old['vtoken-h2o-pressure']['step_over_stock']:.2f}x stock)" in sec
+    assert (f"scoring {new['vtoken-h2o']['median_ms']['scoring']:.1f} ms and "
+            f"{new['vtoken-h2o-pressure']['median_ms']['scoring']:.1f} ms") in sec
+    assert f"H2O step at {new['vtoken-h2o']['step_over_stock']:.2f}x stock" in sec
+    assert f"pressure-paced one at {new['vtoken-h2o-pressure']['step_over_stock']:.2f}x" in sec
+    assert f"Random: {new['vtoken-random']['step_over_stock']:.2f}x stock" in sec
+    assert f"planning {new['vtoken-h2o']['median_ms']['plan']:.1f} ms" in sec
+    assert (f"moves {new['vtoken-random']['median_ms']['moves']:.1f}-"
+            f"{new['vtoken-h2o']['median_ms']['moves']:.1f} ms") in sec
+    # the new file was made after the change, by the command the README names
+    assert _load("step_split.json")["command"] == "python benchmarks/bench_step_split.py"
+    assert "`python benchmarks/bench_step_split.py`" in sec
 
 
 def test_readme_sla_figures_match_result():
