@@ -17,11 +17,13 @@ import torch
 from vtoken.integrations.vllm.kv_layout import KVLayout
 from vtoken.policies.base import AttentionNeed
 
-__all__ = ["StepScores", "prefill_stats", "TILE_ELEMS"]
+__all__ = ["StepScores", "prefill_stats", "TILE_ELEMS", "MAX_TILE_ROWS"]
 
 #: Most logits one query tile of the prefill column-sum path holds (``Hq * rows * n``): 4M
 #: elements (16 MiB in float32); the softmax adds one more (the sums need no float64 copy).
 TILE_ELEMS = 1 << 22
+#: Most query rows per tile: smaller tiles skip more of the causal triangle's masked keys.
+MAX_TILE_ROWS = 128
 
 
 def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: bool,
@@ -32,7 +34,9 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
     ``probs[i, j] = mean over query heads h of softmax_j(q[i, h] . k[h // G, j] * scale)``, with
     query row ``i`` at key index ``n - ql + i`` (the chunk's rows are the last ``ql`` of the
     ``n`` keys) and keys after it masked; ``G = Hq / Hkv`` (grouped-query attention). Computed
-    over tiles of ``T = max(1, tile_elems // (Hq * n))`` query rows, so the extra memory is
+    over tiles of ``T = max(1, min(MAX_TILE_ROWS, tile_elems // (Hq * n)))`` query rows, each
+    against the keys up to its last row only (the causal triangle's masked keys, whose
+    probabilities are exactly 0, are skipped: about half the work), so the extra memory is
     a few ``[Hq, T, n]`` temporaries (float32 logits and probabilities: about ``2 * tile_elems``
     float32 elements while ``Hq * n <= tile_elems``, ``2 * Hq * n`` beyond),
     never the ``[Hq, ql, n]`` of the whole chunk: linear in the prompt length, not quadratic.
@@ -64,21 +68,24 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
         raise ValueError(f"prefill_stats: Hq={Hq} must be a multiple of Hkv={Hkv} and n={n} >= ql={ql}")
     kt = k.to(dtype).repeat_interleave(Hq // Hkv, dim=0).transpose(1, 2)  # [Hq, hd, n]
     qh = q.permute(1, 0, 2).to(dtype)  # [Hq, ql, hd]
-    T = max(1, tile_elems // (Hq * n))
+    T = max(1, min(MAX_TILE_ROWS, tile_elems // (Hq * n)))
     keys = torch.arange(n).view(1, 1, n)
     col = torch.zeros(n, dtype=torch.float64)
     last = None
     for t0 in range(0, ql, T):
         t1 = min(ql, t0 + T)
-        logits = torch.bmm(qh[:, t0:t1], kt) * scale  # [Hq, t, n]
-        qpos = torch.arange(n - ql + t0, n - ql + t1).view(1, t1 - t0, 1)
-        logits.masked_fill_(keys > qpos, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # [Hq, t, n]
+        # Causal: the tile's rows see keys 0..hi-1 only, so the keys past them are never
+        # multiplied (their probabilities are exactly 0): about half the work of a prompt.
+        hi = n - ql + t1
+        logits = torch.bmm(qh[:, t0:t1], kt[:, :, :hi]) * scale  # [Hq, t, hi]
+        qpos = torch.arange(n - ql + t0, hi).view(1, t1 - t0, 1)
+        logits.masked_fill_(keys[:, :, :hi] > qpos, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [Hq, t, hi]
         del logits
         # Sums in float64 (a float32 reduction rounds differently with the tile's shape): over the
         # tile's rows with a float64 accumulator (no float64 copy of the tile: ~2.7x faster than
         # converting it first), then over heads; the head mean is the division by Hq.
-        col += probs.sum(dim=1, dtype=torch.float64).sum(dim=0) / Hq
+        col[:hi] += probs.sum(dim=1, dtype=torch.float64).sum(dim=0) / Hq
         if want_last and t1 == ql:
             last = probs[:, -1].double().mean(dim=0)
     return col, last
