@@ -176,7 +176,10 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
           "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
           "sla_fine_table": sla_fine_table, "step_split_table": step_split_table,
-          "step_split_elementwise_table": lambda: step_split_table("step_split_elementwise_gather.json")}
+          "step_split_elementwise_table": lambda: step_split_table("step_split_elementwise_gather.json"),
+          "sla_h2o_faster_headline_table": lambda: sla_headline_table("sla_h2o_faster_scoring.json"),
+          "sla_h2o_faster_table": lambda: sla_table("sla_h2o_faster_scoring.json"),
+          "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json")}
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ def test_readme_metrics_table_is_generated_from_metrics_py():
 
 @pytest.mark.parametrize("name", ["sla_table", "sla_unloaded_table", "overhead_table", "sla_headline_table",
                                   "sla_full_table", "sla_full_unloaded_table", "sla_k_grid_table",
-                                  "sla_fine_table", "step_split_table", "step_split_elementwise_table"])
+                                  "sla_fine_table", "step_split_table", "step_split_elementwise_table",
+                                  "sla_h2o_faster_headline_table", "sla_h2o_faster_table",
+                                  "sla_h2o_faster_unloaded_table"])
 def test_readme_sla_tables_are_generated_from_results(name):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -229,6 +231,33 @@ def test_readme_step_split_figures_match_results():
     # the new file was made after the change, by the command the README names
     assert _load("step_split.json")["command"] == "python benchmarks/bench_step_split.py"
     assert "`python benchmarks/bench_step_split.py`" in sec
+
+
+def test_h2o_rerun_figures_match_results():
+    """The free-text figures about the H2O rerun (README and README_sla) come from its file."""
+    d, old = _load("sla_h2o_faster_scoring.json"), _load("sla.json")
+    u = {k: a["unloaded"] for k, a in d["arms"].items()}
+    ou = {k: a["unloaded"] for k, a in old["arms"].items()}
+    readme = " ".join(_readme().split())
+    sla_md = " ".join((ROOT / "benchmarks" / "README_sla.md").read_text().split())
+    vt, nv = f"{u['vtoken-h2o']['p50_tpot_ms']:.1f}", f"{u['naive-h2o']['p50_tpot_ms']:.1f}"
+    assert f"unloaded P50 {vt} against {nv} ms" in readme
+    assert f"unloaded P50 TPOT ({vt} ms, one request at a time) is above Naive-Evict H2O's ({nv} ms)" in sla_md
+    assert (f"from {ou['vtoken-h2o']['ttft_fit_b_ms_per_token']:.2f} to {u['naive-h2o']['ttft_fit_b_ms_per_token']:.2f}-"
+            f"{u['vtoken-h2o']['ttft_fit_b_ms_per_token']:.2f} ms per prompt token (stock "
+            f"{u['stock']['ttft_fit_b_ms_per_token']:.2f})") in readme
+    assert (f"against {ou['naive-h2o']['ttft_fit_b_ms_per_token']:.2f} and "
+            f"{ou['vtoken-h2o']['ttft_fit_b_ms_per_token']:.2f} in the full sweep") in sla_md
+    assert (f"gives {u['naive-h2o']['ttft_fit_b_ms_per_token']:.2f} ms per token for Naive-Evict H2O and "
+            f"{u['vtoken-h2o']['ttft_fit_b_ms_per_token']:.2f} for vToken H2O") in sla_md
+    assert f"stock's {u['stock']['ttft_fit_b_ms_per_token']:.2f}" in sla_md
+    r05 = {k: a["runs"][0] for k, a in d["arms"].items()}
+    assert all(r["rate"] == 0.5 for r in r05.values())
+    good = {k: round(r["attainment"] * d["config"]["num_prompts"]) for k, r in r05.items()}
+    assert f"{r05['naive-h2o']['attainment'] * 100:.0f} % of the requests ({good['naive-h2o']} of 24)" in sla_md
+    assert f"{r05['vtoken-h2o']['attainment'] * 100:.0f} % ({good['vtoken-h2o']} of 24)" in sla_md
+    assert f"(21.4 against 20.4)" in sla_md and f"{ou['vtoken-h2o']['p50_tpot_ms']:.1f}" == "21.4"
+    assert f"{ou['naive-h2o']['p50_tpot_ms']:.1f}" == "20.4"
 
 
 def test_readme_sla_figures_match_result():
