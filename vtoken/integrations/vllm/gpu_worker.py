@@ -4,8 +4,8 @@
 (``platforms.check_platform``). It overrides ``Worker._make_model_runner``, the override point
 vLLM 0.32 documents for subclasses ("Construct the platform's model runner; subclasses
 override this"), and follows vLLM's choice (``Worker.use_v2_model_runner``, from
-``VllmConfig.use_v2_model_runner``: Model Runner V2 by default on CUDA, V1 with
-``VLLM_USE_V2_MODEL_RUNNER=0``):
+``VllmConfig.use_v2_model_runner``: Model Runner V2 by default on CUDA, V1 when the user
+turns it off through vLLM's own environment switch); vToken sets neither:
 
 * V1: :class:`~vtoken.integrations.vllm.gpu_runner.VTokenGPUModelRunner`;
 * Model Runner V2: :class:`~vtoken.integrations.vllm.gpu_runner.VTokenGPUModelRunnerV2`;

@@ -88,6 +88,17 @@ def _token_view(kv_cache: torch.Tensor, which: int, strides: tuple[int, int]) ->
     return flat.as_strided((nb, H, bs, hd), (flat.stride(0), flat.stride(1), *strides), flat.storage_offset())
 
 
+def _gather_blocks(kv_cache: torch.Tensor, strides: tuple[int, int], block_rows: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 ``[R, num_kv_heads, n, head_size]``: the keys of slots ``0..n-1`` of each block-table
+    row (int64 ``[R, >= cdiv(n, block_size)]``), copied a whole block at a time through the
+    strided K view (affine layouts only)."""
+    bs = kv_cache.shape[2]
+    nblk = -(-n // bs)
+    kb = _token_view(kv_cache, 0, strides)[block_rows[:, :nblk]].float()  # [R, nblk, H, bs, hd]
+    R, _, H, _, hd = kb.shape
+    return kb.permute(0, 2, 1, 3, 4).reshape(R, H, nblk * bs, hd)[:, :, :n]
+
+
 @lru_cache(maxsize=None)
 def probe_cpu_layout(dtype: torch.dtype, isa: str, block_size: int, head_size: int, num_kv_heads: int = 1) -> TokenLayout:
     """Probe the packed CPU layout by writing known values through vLLM's packing op.
@@ -177,9 +188,7 @@ def gather_keys_cpu(kv_cache: torch.Tensor, layout: TokenLayout, block_ids: torc
     """
     bs = layout.block_size
     if layout.k_strides is not None:
-        nblk = -(-num_tokens // bs)
-        kb = _token_view(kv_cache, 0, layout.k_strides)[block_ids[:nblk]].float()  # [nblk, H, bs, hd]
-        return kb.permute(1, 0, 2, 3).reshape(kb.shape[1], nblk * bs, kb.shape[3])[:, :num_tokens]
+        return _gather_blocks(kv_cache, layout.k_strides, block_ids[None], num_tokens)[0]
     kr, _ = _regions(kv_cache)
     s = torch.arange(num_tokens)
     b = block_ids[s // bs]
@@ -225,18 +234,15 @@ class CPUKVLayout:
 
     def gather_keys_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         lay = self.token_layout
-        R, n = blocks.shape
+        n = blocks.shape[1]
         bs = lay.block_size
         if lay.k_strides is not None and n > 0:
             # Whole blocks in block-table order (how StepScores builds its indices): copy each
-            # block's keys through a strided view, not token by token (about 6x faster here).
+            # block's keys through a strided view, not token by token (about 4x faster here).
             bt = blocks[:, ::bs]  # [R, nblk]
-            nblk = bt.shape[1]
             if torch.equal(offsets, torch.arange(n) % bs) and torch.equal(
                     blocks, bt.repeat_interleave(bs, dim=1)[:, :n]):
-                kb = _token_view(kv_cache, 0, lay.k_strides)[bt].float()  # [R, nblk, H, bs, hd]
-                H, hd = kb.shape[2], kb.shape[4]
-                return kb.permute(0, 2, 1, 3, 4).reshape(R, H, nblk * bs, hd)[:, :, :n]
+                return _gather_blocks(kv_cache, lay.k_strides, bt, n)
         idx = lay.idx_k[offsets]  # [n, hd]
         kr, _ = _regions(kv_cache)  # [nb, bs*hd, Hkv]
         k = kr[blocks[:, :, None], idx[None]]  # [R, n, hd, Hkv]

@@ -41,8 +41,8 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
     float32 elements while ``Hq * n <= tile_elems``, ``2 * Hq * n`` beyond),
     never the ``[Hq, ql, n]`` of the whole chunk: linear in the prompt length, not quadratic.
     Logits and softmax are computed in ``dtype`` (float32 in the worker), the column sums
-    (over rows, then heads) and the head mean in float64. The tiling itself is exact: with ``dtype=float64`` any two
-    tile sizes agree to 1e-12 (tests). In float32 they agree to float32 rounding (~1e-7
+    (over rows, then heads) and the head mean in float64. The tiling itself is exact: with
+    ``dtype=float64`` any two tile sizes agree to 1e-12 (tests). In float32 they agree to float32 rounding (~1e-7
     relative), not bit for bit, because the CPU matmul's blocking, and so its rounding,
     depends on the number of query rows in the product; the former untiled path differs
     from any tiling by the same amount.
