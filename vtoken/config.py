@@ -43,12 +43,17 @@ def _format_validation_error(prefix: str, err: ValidationError) -> str:
             continue
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         val = e.get("input")
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = _unknown_key_msg(str(e["loc"][-1]) if e["loc"] else "")
+        elif e["type"] in _INT_ERRORS:
+            msg += "; allowed: a JSON integer (not a string, a float or a boolean)"
         lines.append(f"{prefix}.{loc} = {val!r}: {msg}")
     return "; ".join(lines)
 
+
+#: pydantic's error types for a value that is not an integer (strict int fields)
+_INT_ERRORS = ("int_type", "int_parsing", "int_from_float")
 
 #: options that existed once and were removed: key -> why (a config naming one gets this in its error)
 _REMOVED_KEYS = {"log_stats": "it never did anything; vToken's counters are on /metrics"}
@@ -89,25 +94,25 @@ class VTokenConfig(BaseModel):
         "(same decisions; a block is freed only when every token ever placed in it is dead).",
     )
     policy: str = Field("h2o", description="eviction policy: a name registered under the vtoken.policies entry point")
-    budget: int = Field(256, ge=1, description="KV budget per request, in tokens (live tokens kept after an eviction)")
+    budget: int = Field(256, ge=1, strict=True, description="KV budget per request, in tokens (live tokens kept after an eviction)")
     budget_ratio: Optional[float] = Field(
         None, gt=0.0, le=1.0,
         description="budget as a fraction of the prompt length, ceil(ratio * prompt tokens) (overrides budget)",
     )
     slack: Optional[int] = Field(
-        None, ge=0, description="tokens over budget tolerated before evicting (0: evict every step once full); "
+        None, ge=0, strict=True, description="tokens over budget tolerated before evicting (0: evict every step once full); "
         "null: the policy's default")
     sink_tokens: Optional[int] = Field(
-        None, ge=0, description="first logical positions never evicted (attention sinks), in tokens; "
+        None, ge=0, strict=True, description="first logical positions never evicted (attention sinks), in tokens; "
         "null: the policy's default; sink_tokens + recent_tokens <= budget")
     recent_tokens: Optional[int] = Field(
-        None, ge=0, description="most recent tokens never evicted, in tokens; null: the policy's default")
-    seed: int = Field(0, description="seed of the random policy")
+        None, ge=0, strict=True, description="most recent tokens never evicted, in tokens; null: the policy's default")
+    seed: int = Field(0, strict=True, description="seed of the random policy")
     policy_args: dict[str, Any] = Field(
         default_factory=dict, description="policy-specific parameters, e.g. {\"window\": 64} for scissorhands; "
         "unknown names are refused")
     score_every: int = Field(
-        1, ge=1, description="score attention on every prefill chunk and every k-th decode step (1: every step)"
+        1, ge=1, strict=True, description="score attention on every prefill chunk and every k-th decode step (1: every step)"
     )
     pacing: Literal["fixed", "pressure"] = Field(
         "fixed",
@@ -116,7 +121,7 @@ class VTokenConfig(BaseModel):
         "evicting just enough, most reclaimable requests first",
     )
     watermark_blocks: int = Field(
-        0, ge=0, description="pressure pacing: free blocks to keep in reserve, in blocks"
+        0, ge=0, strict=True, description="pressure pacing: free blocks to keep in reserve, in blocks"
     )
     watermark_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="pressure pacing: free blocks to keep in reserve, as a fraction of the "
@@ -204,6 +209,14 @@ class RequestOverrides(BaseModel):
     ``vtoken_budget`` (int tokens >= 1), ``vtoken_policy`` (a registered policy name).
     Other ``extra_args`` keys are ignored (they may belong to someone else).
 
+    Coercions (the same on both paths, so the engine's ``budget`` and a request's
+    ``vtoken_budget`` accept exactly the same values): integer fields take JSON integers
+    only: no strings (``"64"``), no floats (``64.0``, ``1e30``), no booleans; an explicit
+    ``null`` is refused (leave the key out instead). The one coercion is ``vtoken_enable``'s
+    (0/1 and "true"/"false"), because vLLM's request model turns JSON booleans into ints.
+    A budget above ``max_model_len`` is refused by the front end
+    (:func:`vtoken.integrations.vllm.frontend.check_request`): no request can hold more.
+
     One rule for both paths: ``vtoken_budget`` and ``vtoken_policy`` are validated exactly
     as the engine's ``budget`` and ``policy`` (same coercions, same refusals, same message
     after the field name: ``vllm_xargs.vtoken_budget = True: ...`` where start-up says
@@ -213,13 +226,23 @@ class RequestOverrides(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     vtoken_enable: bool = Field(True, strict=True)
-    vtoken_budget: Optional[int] = Field(None, ge=1)
+    vtoken_budget: Optional[int] = Field(None, ge=1, strict=True)
     vtoken_policy: Optional[str] = None
 
     @field_validator("vtoken_budget", mode="before")
     @classmethod
     def _no_bool(cls, v: Any) -> Any:
+        if v is None:  # an explicit JSON null: the key was sent without a value
+            raise ValueError("expected an integer >= 1; leave the key out to use the engine's budget")
         return VTokenConfig._no_bool(v)  # the engine's rule for ``budget``, verbatim
+
+    @field_validator("vtoken_policy", mode="before")
+    @classmethod
+    def _no_null_policy(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError(f"expected a policy name; allowed: {_known_policies()}; leave the key out to use "
+                             "the engine's policy")
+        return v
 
     @field_validator("vtoken_enable", mode="before")
     @classmethod

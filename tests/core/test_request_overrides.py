@@ -23,14 +23,17 @@ BAD = [
     ("budget", "vtoken_budget", "abc"),
     ("budget", "vtoken_budget", [40]),
     ("budget", "vtoken_budget", {"n": 40}),
+    # issue 28: integer fields take JSON integers only, on both paths (no string or float coercion)
+    ("budget", "vtoken_budget", "40"),
+    ("budget", "vtoken_budget", 40.0),
+    ("budget", "vtoken_budget", 1e30),
     ("policy", "vtoken_policy", "lru"),
     ("policy", "vtoken_policy", 3),
     ("policy", "vtoken_policy", True),
 ]
 GOOD = [
     ("budget", "vtoken_budget", 40, 40),
-    ("budget", "vtoken_budget", "40", 40),
-    ("budget", "vtoken_budget", 40.0, 40),
+    ("budget", "vtoken_budget", 2**63, 2**63),  # the front end bounds it by max_model_len (test_server.py)
     ("policy", "vtoken_policy", "tova", "tova"),
 ]
 
@@ -72,6 +75,19 @@ def test_good_value_same_result_on_both_paths(field, rfield, value, want):
                                          ("TRUE", True)])
 def test_enable_accepts_booleans_and_their_xargs_forms(value, want):
     assert parse_request_overrides({"vtoken_enable": value}).vtoken_enable is want
+
+
+@pytest.mark.parametrize("value, msg", [
+    ("40", "vllm_xargs.vtoken_budget = '40': Input should be a valid integer; allowed: a JSON integer (not a "
+           "string, a float or a boolean)"),
+    (None, "vllm_xargs.vtoken_budget = None: expected an integer >= 1; leave the key out to use the engine's budget"),
+])
+def test_budget_refusal_is_one_line_naming_the_field(value, msg):
+    assert _request_msg("vtoken_budget", value) == msg
+
+
+def test_null_policy_refused():
+    assert _request_msg("vtoken_policy", None).startswith("vllm_xargs.vtoken_policy = None: expected a policy name")
 
 
 @pytest.mark.parametrize("value", [2, "maybe", 0.5, None])

@@ -203,3 +203,71 @@ def test_bad_override_is_400_and_server_keeps_serving(server, kind, xargs, field
     assert field in r.json()["error"]["message"], r.text
     pids, toks = server.generate(kind, "hello again", 4)
     assert len(toks) == 4
+
+
+# Issue 28: values that slipped through vllm_xargs, and beam search. Each message is exactly one
+# line in the start-up format; the server's max_model_len is 2048.
+_INT = "Input should be a valid integer; allowed: a JSON integer (not a string, a float or a boolean)"
+
+
+def _above(v: int) -> str:
+    return (f"vllm_xargs.vtoken_budget = {v}: above max_model_len, so it would never evict; allowed: 1..2048 "
+            "(set vllm_xargs.vtoken_enable = false to turn eviction off for this request)")
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize(
+    "xargs, message",
+    [
+        ({"vtoken_budget": "64"}, f"vllm_xargs.vtoken_budget = '64': {_INT}"),
+        ({"vtoken_budget": None}, "vllm_xargs.vtoken_budget = None: expected an integer >= 1; leave the key out "
+                                  "to use the engine's budget"),
+        ({"vtoken_budget": 1e30}, f"vllm_xargs.vtoken_budget = 1e+30: {_INT}"),
+        ({"vtoken_budget": 2**64}, _above(2**64)),
+        ({"vtoken_budget": 2**63}, _above(2**63)),
+        ({"vtoken_budget": 2049}, _above(2049)),
+    ],
+    ids=["string", "null", "1e30", "2**64", "2**63", "max_model_len+1"],
+)
+def test_xargs_values_that_slipped_through_are_400(server, kind, xargs, message):
+    body = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0, vllm_xargs=xargs)
+    if kind == "completion":
+        path, body["prompt"] = "/v1/completions", "hello"
+    else:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "hello"}]
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == message, err
+    assert err["param"] == "vllm_xargs.vtoken_budget", err
+
+
+def test_budget_at_max_model_len_is_accepted(server):
+    r = server.post("/v1/completions", dict(model=MODEL_NAME, prompt="hello", max_tokens=4, temperature=0.0,
+                                            vllm_xargs={"vtoken_budget": 2048}))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_beam_search_refused_by_name(server, kind):
+    from vtoken.integrations.vllm.frontend import BEAM_SEARCH_REFUSAL
+
+    body = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0, use_beam_search=True, n=3)
+    if kind == "completion":
+        path, body["prompt"] = "/v1/completions", "hello"
+    else:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "hello"}]
+    before = _wait_idle(server)
+    for xargs in (None, {"vtoken_budget": 64}, {"vtoken_enable": True}):
+        b = dict(body, vllm_xargs=xargs) if xargs else body
+        r = server.post(path, b)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == BEAM_SEARCH_REFUSAL, r.text
+        assert r.json()["error"]["param"] == "use_beam_search"
+    # eviction off for the request: beam search runs as in stock vLLM, 3 beams of 4 tokens
+    r = server.post(path, dict(body, vllm_xargs={"vtoken_enable": False}))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+    d = _delta(before, _wait_idle(server))
+    assert d.get("evicted_tokens", 0) == 0 and d.get("evictions", 0) == 0, d

@@ -14,6 +14,9 @@ runs each check of ``then`` in the same process (the front end that built the co
   of ``StreamingInput`` (vLLM's streaming-input API) on an ``AsyncLLM`` without an engine
   (``_NoEngine``: just the attributes ``add_request`` reads before it routes the request);
   records ``ok`` or the error.
+* ``{"offline_beam_search": true}``: ``LLM.beam_search`` (``BeamSearchOfflineMixin.beam_search``)
+  called on a bare object with one prompt; vToken refuses it before the method reads anything,
+  stock vLLM fails on the bare object (AttributeError); records ``ok`` or the error.
 
 A case with ``"compare_stock": true`` first builds the same engine args without the ``vtoken``
 key (stock) and records what vToken changed compared with it: ``changed_fields`` (``EngineArgs``
@@ -71,7 +74,10 @@ def main() -> int:
     import vtoken.integrations.vllm.plugin as plugin
 
     plugin.register()
+    import vllm.entrypoints.llm  # noqa: F401 - loaded before the config is built, as in an LLM user's process
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+    from vllm.sampling_params import BeamSearchParams
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -111,6 +117,9 @@ def main() -> int:
             try:
                 if "sampling_params" in chk:
                     SamplingParams(max_tokens=4, extra_args=chk["sampling_params"])
+                elif "offline_beam_search" in chk:
+                    BeamSearchOfflineMixin.beam_search(object(), [{"prompt": "hello"}],
+                                                       BeamSearchParams(beam_width=3, max_tokens=4))
                 elif "streaming_add_request" in chk:
                     _streaming_add_request(chk["streaming_add_request"])
                 else:

@@ -121,6 +121,20 @@ SP_CHECKS = [
     ({"vtoken_policy": "tova", "vtoken_budget": 40}, None),
 ]
 STREAM_CHECKS = [({}, STREAMING_MSG), ({"vtoken_enable": False}, None)]
+# issue 28: values that slipped through (engine max_model_len 256)
+SP_CHECKS += [
+    ({"vtoken_budget": "64"}, "vllm_xargs.vtoken_budget = '64': Input should be a valid integer; allowed: a JSON "
+                              "integer (not a string, a float or a boolean)"),
+    ({"vtoken_budget": 64.0}, "vllm_xargs.vtoken_budget = 64.0: Input should be a valid integer; allowed: a JSON "
+                              "integer (not a string, a float or a boolean)"),
+    ({"vtoken_budget": 256}, None),
+    ({"vtoken_budget": 257}, "vllm_xargs.vtoken_budget = 257: above max_model_len, so it would never evict; "
+                             "allowed: 1..256 (set vllm_xargs.vtoken_enable = false to turn eviction off for this "
+                             "request)"),
+]
+BEAM = next(r for r in REFUSALS if r.key == "beam_search")
+OFFLINE_BEAM_MSG = (f"LLM.beam_search: vToken does not support beam search yet: {BEAM.reason}; build this LLM "
+                    "without the vtoken key of additional_config to run beam search")
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +142,12 @@ def probe(tiny_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("startup")
     models = _model_dirs(tiny_path, d)
     then = [{"sampling_params": x} for x, _ in SP_CHECKS] + [{"streaming_input": x} for x, _ in STREAM_CHECKS]
-    then += [{"streaming_add_request": {}}]
+    then += [{"streaming_add_request": {}}, {"offline_beam_search": True}]
     cases = [
         dict(id="base", engine=_engine(tiny_path), then=then, compare_stock=True),
         dict(id="prefix_off", engine=_engine(tiny_path, enable_prefix_caching=False), compare_stock=True),
         dict(id="inert", engine=_engine(tiny_path, vt=None),
-             then=[{"sampling_params": {"vtoken_budget": 1}}, {"streaming_input": {}}]),
+             then=[{"sampling_params": {"vtoken_budget": 1}}, {"streaming_input": {}}, {"offline_beam_search": True}]),
         dict(id="kv_fp8_e5m2", engine=_engine(tiny_path, kv_cache_dtype="fp8_e5m2")),
         dict(id="kv_turboquant", engine=_engine(tiny_path, kv_cache_dtype="turboquant_k8v4")),
         dict(id="kv_bf16", engine=_engine(tiny_path, dtype="bfloat16", kv_cache_dtype="bfloat16")),
@@ -170,9 +184,17 @@ def test_streaming_input_refused_by_name(probe):
     assert (got[2]["ok"], got[2].get("type"), got[2].get("msg")) == (False, "VLLMValidationError", STREAMING_MSG)
 
 
+def test_offline_beam_search_refused_by_name(probe):
+    got = probe["base"]["then"][-1]
+    assert (got["ok"], got.get("type"), got.get("msg")) == (False, "ValueError", OFFLINE_BEAM_MSG), got
+    # without vToken the stock method runs (and fails on the probe's bare object, past any refusal)
+    got = probe["inert"]["then"][-1]
+    assert got["ok"] is False and got["type"] == "AttributeError", got
+
+
 def test_inert_engine_checks_nothing(probe):
     r = probe["inert"]
-    assert r["ok"] and r["warnings"] == [] and r["then"] == [{"ok": True}, {"ok": True}], r
+    assert r["ok"] and r["warnings"] == [] and r["then"][:2] == [{"ok": True}, {"ok": True}], r
 
 
 def test_start_up_changes_no_setting(probe):

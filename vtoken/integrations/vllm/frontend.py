@@ -16,6 +16,15 @@ so the plugin hands the parsed :class:`~vtoken.config.VTokenConfig` to
   vLLM's request model narrows JSON booleans to 0/1: ``"vtoken_budget": true`` is refused
   exactly as ``budget: true`` is at start-up (patches/ entry
   ``vllm.entrypoints.launchers.app.init_entrypoints_middleware``).
+* beam search is refused by name (:data:`BEAM_SEARCH_REFUSAL`): vLLM's front end runs it as
+  one-token requests, which never evict. Online, :class:`XargsGuard` answers HTTP 400 for a
+  body with ``use_beam_search: true`` unless ``vllm_xargs.vtoken_enable`` is false; offline,
+  ``LLM.beam_search`` raises ``ValueError`` (patches/ entry
+  ``vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin.beam_search``).
+  Parallel sampling (``n > 1``) is not split that way: vLLM fans it out into ``n`` whole
+  requests, each of which evicts as any other.
+* a ``vtoken_budget`` above ``max_model_len`` is refused (no request can hold more tokens,
+  so it would never evict; ``vtoken_enable: false`` says that explicitly).
 * streaming-input (resumable) requests are refused by name (patches/ entry
   ``vllm.v1.engine.async_llm.AsyncLLM._validate_streaming_input_sampling_params``):
   a resumable request keeps its blocks across input chunks, while vToken's per-request
@@ -37,12 +46,26 @@ from vtoken.config import VTokenConfig, VTokenConfigError, parse_request_overrid
 from vtoken.integrations.vllm.refusals import REFUSALS
 
 _REFUSAL = next(r for r in REFUSALS if r.key == "streaming_input")
+_BEAM = next(r for r in REFUSALS if r.key == "beam_search")
 
 logger = logging.getLogger("vllm.vtoken")
 
-__all__ = ["set_engine_config", "engine_config", "check_request", "XargsGuard", "STREAMING_INPUT_REFUSAL"]
+__all__ = ["set_engine_config", "set_max_model_len", "engine_config", "check_request", "XargsGuard",
+           "STREAMING_INPUT_REFUSAL", "BEAM_SEARCH_REFUSAL", "OFFLINE_BEAM_SEARCH_REFUSAL"]
 
 _engine_cfg: Optional[VTokenConfig] = None
+_max_model_len: Optional[int] = None
+
+#: The message of the beam-search refusal through the OpenAI server (its row of refusals.REFUSALS).
+BEAM_SEARCH_REFUSAL = (
+    f"use_beam_search = True: vToken does not support beam search yet: {_BEAM.reason}; leave use_beam_search "
+    "out, or set vllm_xargs.vtoken_enable = false for this request (beam search then runs as in stock vLLM)"
+)
+#: The same refusal for the offline ``LLM.beam_search`` (BeamSearchParams carries no extra_args).
+OFFLINE_BEAM_SEARCH_REFUSAL = (
+    f"LLM.beam_search: vToken does not support beam search yet: {_BEAM.reason}; build this LLM without the "
+    "vtoken key of additional_config to run beam search"
+)
 
 #: The message of the streaming-input refusal (its row of refusals.REFUSALS, plus what to do instead).
 STREAMING_INPUT_REFUSAL = (
@@ -54,11 +77,19 @@ STREAMING_INPUT_REFUSAL = (
 def set_engine_config(cfg: Optional[VTokenConfig]) -> None:
     """Record the engine's vToken config in this process (None: vToken off) and install the
     request-time guards (idempotent). Called by the plugin's ``create_engine_config`` wrapper."""
-    global _engine_cfg
+    global _engine_cfg, _max_model_len
     _engine_cfg = cfg
+    _max_model_len = None
     if cfg is not None:
         _install_middleware_hook()
         _install_streaming_input_refusal()
+        _install_offline_beam_search_refusal()
+
+
+def set_max_model_len(max_model_len: Optional[int]) -> None:
+    """Record the engine's resolved ``max_model_len`` (tokens): the upper bound of ``vtoken_budget``."""
+    global _max_model_len
+    _max_model_len = max_model_len
 
 
 def engine_config() -> Optional[VTokenConfig]:
@@ -73,29 +104,36 @@ def check_request(extra_args: Optional[dict]) -> None:
         VTokenConfigError: names the ``vllm_xargs`` field, its value and what is allowed.
     """
     ov = parse_request_overrides(extra_args)
+    if _max_model_len is not None and ov.vtoken_budget is not None and ov.vtoken_budget > _max_model_len:
+        raise VTokenConfigError(
+            f"vllm_xargs.vtoken_budget = {ov.vtoken_budget!r}: above max_model_len, so it would never evict; "
+            f"allowed: 1..{_max_model_len} (set vllm_xargs.vtoken_enable = false to turn eviction off for this "
+            "request)")
     if _engine_cfg is not None and ov.vtoken_enable:
         ov.apply(_engine_cfg)
 
 
 # ---------------------------------------------------------------------- raw JSON guard
 def _xargs_error(body: bytes) -> Optional[str]:
-    """The parser's message for the raw ``vllm_xargs`` of a JSON body, or None if fine/not ours."""
-    if b"vtoken_" not in body:
+    """The refusal for a JSON body (bad raw ``vllm_xargs.vtoken_*``, or beam search with
+    eviction on), or None if fine / not ours."""
+    if b"vtoken_" not in body and b"use_beam_search" not in body:
         return None
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None  # vLLM answers malformed JSON itself
-    xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
-    if not isinstance(xargs, dict):
+    if not isinstance(data, dict):
         return None
-    ours = {k: v for k, v in xargs.items() if isinstance(k, str) and k.startswith("vtoken_")}
-    if not ours:
-        return None
+    xargs = data.get("vllm_xargs")
+    ours = {k: v for k, v in xargs.items() if isinstance(k, str) and k.startswith("vtoken_")} \
+        if isinstance(xargs, dict) else {}
     try:
         check_request(ours)
     except VTokenConfigError as e:
         return str(e)
+    if data.get("use_beam_search") is True and parse_request_overrides(ours).vtoken_enable:
+        return BEAM_SEARCH_REFUSAL
     return None
 
 
@@ -159,6 +197,26 @@ def _install_middleware_hook() -> None:
 
     init_entrypoints_middleware._vtoken_wrapped = True
     app_mod.init_entrypoints_middleware = init_entrypoints_middleware
+
+
+# ---------------------------------------------------------------------- offline beam search
+def _install_offline_beam_search_refusal() -> None:
+    # Only where the offline LLM class is loaded (its process builds the engine config).
+    mod = sys.modules.get("vllm.entrypoints.generate.beam_search.offline")
+    if mod is None:
+        return
+    orig = mod.BeamSearchOfflineMixin.beam_search
+    if getattr(orig, "_vtoken_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def beam_search(self, *args, **kwargs):
+        if _engine_cfg is not None:
+            raise ValueError(OFFLINE_BEAM_SEARCH_REFUSAL)
+        return orig(self, *args, **kwargs)
+
+    beam_search._vtoken_wrapped = True
+    mod.BeamSearchOfflineMixin.beam_search = beam_search
 
 
 # ---------------------------------------------------------------------- streaming input

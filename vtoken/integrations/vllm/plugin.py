@@ -78,6 +78,12 @@ def _wrap_create_engine_config() -> None:
         # out of every repack (docs/integration.md, "Prefix caching").
         vcfg = orig(self, *args, **kwargs)
         _check_model(vcfg)
+        max_len = vcfg.model_config.max_model_len
+        frontend.set_max_model_len(max_len)  # the upper bound of a request's vtoken_budget
+        if cfg.budget_ratio is None and cfg.budget >= max_len:
+            logger.warning("vToken: budget = %d is not below max_model_len = %d: no request can hold more than "
+                           "max_model_len tokens, so none will evict unless it sets a smaller vtoken_budget",
+                           cfg.budget, max_len)
         from vllm.platforms import current_platform
 
         # CPU, or CUDA with FlashAttention; other platforms / GPU backends refused by name (platforms.py)

@@ -96,6 +96,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("streaming_input", "streaming-input (resumable) requests", "request",
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),
+    Refusal("beam_search", "beam search (use_beam_search; LLM.beam_search)", "request",
+            "vLLM's front end runs beam search as a series of one-token requests (one per beam and step), so no "
+            "request decodes past its prompt and none would ever evict: the answer would be stock vLLM's while "
+            "eviction is reported on"),
 )
 
 _BY_KEY = {r.key: r for r in REFUSALS}
