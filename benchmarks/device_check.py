@@ -431,7 +431,7 @@ def run_step_time(deadline: Deadline, part_s: float) -> dict[str, Any]:
                        groups=[warm, dict(name="off", requests=reqs("off"))], check=False), {"VLLM_PLUGINS": ""}),
         ("vtoken", dict(engine=engine_kw(model, eager=False, max_model_len=2048),
                         vtoken={"policy": "h2o", "budget": budget},
-                        groups=[warm, dict(name="on_no_evict", requests=reqs("ne", {"vtoken_budget": 4096})),
+                        groups=[warm, dict(name="on_no_evict", requests=reqs("ne", {"vtoken_budget": 2048})),
                                 dict(name="on_evicting", requests=reqs("ev"))], hooks=HOOKS, check=False), None),
     ]
     for key, spec, env in specs:

@@ -142,6 +142,8 @@ class VTokenConfig(BaseModel):
         # JSON true/false would otherwise pass as 1/0 (pydantic's lax int/float).
         if isinstance(v, bool):
             raise ValueError("expected a number, not a boolean")
+        if not isinstance(v, (int, float, str)) and hasattr(v, "__index__"):
+            return int(v.__index__())  # an in-process caller's numpy integer: an integer, not a coercion
         return v
 
     @model_validator(mode="after")

@@ -155,7 +155,7 @@ def test_gauges_in_flight_then_zero_when_idle(server, sharegpt_prompts):
     [
         ({"vtoken_enable": False}, True),  # JSON false arrives as 0 (vllm_xargs: str | int | float)
         ({"vtoken_enable": "false"}, True),
-        ({"vtoken_budget": 4096}, True),  # above the request's length
+        ({"vtoken_budget": 2048}, True),  # max_model_len: above any request's length (more is refused)
         ({"vtoken_budget": 80}, False),
         ({"vtoken_policy": "streaming"}, False),
         ({"vtoken_enable": True, "vtoken_budget": 72, "vtoken_policy": "tova"}, False),
