@@ -180,6 +180,14 @@ def test_per_request_overrides(server, sharegpt_prompts, oracle_model, base_cfg,
             assert d[k] == v, f"vtoken:{k}_total moved by {d[k]}, expected {v}"
 
 
+def _post_hello(server, kind: str, **fields):
+    """POST "hello" (4 tokens, greedy) to the completion or chat endpoint with extra body fields."""
+    body = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0, **fields)
+    if kind == "completion":
+        return server.post("/v1/completions", dict(body, prompt="hello"))
+    return server.post("/v1/chat/completions", dict(body, messages=[{"role": "user", "content": "hello"}]))
+
+
 @pytest.mark.parametrize(
     "kind, xargs, field",
     [
@@ -193,12 +201,7 @@ def test_per_request_overrides(server, sharegpt_prompts, oracle_model, base_cfg,
     ],
 )
 def test_bad_override_is_400_and_server_keeps_serving(server, kind, xargs, field):
-    body = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0, vllm_xargs=xargs)
-    if kind == "completion":
-        path, body["prompt"] = "/v1/completions", "hello"
-    else:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "hello"}]
-    r = server.post(path, body)
+    r = _post_hello(server, kind, vllm_xargs=xargs)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"], r.text
     pids, toks = server.generate(kind, "hello again", 4)
@@ -230,12 +233,7 @@ def _above(v: int) -> str:
     ids=["string", "null", "1e30", "2**64", "2**63", "max_model_len+1"],
 )
 def test_xargs_values_that_slipped_through_are_400(server, kind, xargs, message):
-    body = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0, vllm_xargs=xargs)
-    if kind == "completion":
-        path, body["prompt"] = "/v1/completions", "hello"
-    else:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "hello"}]
-    r = server.post(path, body)
+    r = _post_hello(server, kind, vllm_xargs=xargs)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["message"] == message, err
