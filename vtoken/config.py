@@ -169,16 +169,29 @@ class VTokenConfig(BaseModel):
             )
         return self
 
-    def make_policy(self):
-        """Instantiate the configured :class:`~vtoken.policies.base.EvictionPolicy`.
+    def make_policy(self, budget: Optional[int] = None):
+        """Instantiate the configured :class:`~vtoken.policies.base.EvictionPolicy` for ``budget``
+        (tokens; ``None``: ``self.budget``), with the policy's defaults for the protections
+        (:meth:`protections`) and for any ``policy_args`` left unset (``default_args``).
 
         Raises:
-            ValueError: bad ``policy_args`` (names the argument and what is allowed).
+            ValueError: an unknown or bad entry in ``policy_args`` (names the argument and
+                what is allowed).
         """
         from vtoken.policies import get_policy_class
 
         cls = get_policy_class(self.policy)
-        return cls.from_config(self)
+        b = self.budget if budget is None else budget
+        allowed = cls.arg_names()
+        for k in self.policy_args:
+            if k not in allowed:
+                raise ValueError(
+                    f"vtoken.policy_args.{k} = {self.policy_args[k]!r}: unknown argument for policy "
+                    f"{cls.name!r}; allowed: {sorted(allowed)}"
+                )
+        sinks, recent = self.protections(b)
+        return cls(sink_tokens=sinks, recent_tokens=recent, seed=self.seed,
+                   **{**cls.default_args(b), **self.policy_args})
 
     def protections(self, budget: Optional[int] = None) -> tuple[int, int]:
         """(sink_tokens, recent_tokens) after applying the policy defaults, in tokens."""

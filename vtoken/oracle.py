@@ -214,7 +214,7 @@ def oracle_generate(
         cfg: eviction settings; ``None`` turns eviction off (plain greedy, dense cache).
             The budget is ``effective_budget(cfg, prompt_len)``, the slack
             ``cfg.resolved_slack()``; the policy is built once per request with
-            ``get_policy_class(cfg.policy).from_config(cfg, budget=budget)``.
+            ``cfg.make_policy(budget)``.
         eos_token_id: EOS id(s); only used when ``ignore_eos`` is False.
         ignore_eos: keep generating after EOS (the default, like vLLM's ``ignore_eos``).
         return_logits: also return each step's float32 next-token logits.
@@ -266,8 +266,6 @@ def oracle_generate(
 
     from transformers import DynamicCache
 
-    from vtoken.policies import get_policy_class
-
     budget = slack = None
     state: Optional["SlotState"] = None
     need = AttentionNeed.NONE
@@ -278,7 +276,7 @@ def oracle_generate(
         budget = effective_budget(cfg, P)
         slack = cfg.resolved_slack()
         if policy is None:
-            policy = get_policy_class(cfg.policy).from_config(cfg, budget=budget)
+            policy = cfg.make_policy(budget)
         state = policy.init_state()
         need = policy.needs
         score_every = cfg.score_every

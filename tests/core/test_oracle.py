@@ -414,7 +414,7 @@ def test_policy_state_follows_compaction(model2, test_policies):
     """The accumulated score of each live token equals the sum of its observed col_sums."""
     prompt = _prompt(seed=9)
     cfg = _cfg("oracle_test_accum", slack=2)
-    policy = _AccumLike.from_config(cfg, budget=BUDGET)
+    policy = cfg.make_policy(BUDGET)
     states = []
     orig_init = policy.init_state
 
@@ -445,7 +445,7 @@ def test_policy_state_follows_compaction(model2, test_policies):
 def test_score_every(model2, test_policies):
     prompt = _prompt(seed=10)
     cfg = _cfg("oracle_test_accum", score_every=3)
-    policy = _AccumLike.from_config(cfg, budget=BUDGET)
+    policy = cfg.make_policy(BUDGET)
     states = []
     orig_init = policy.init_state
     policy.init_state = lambda: states.append(orig_init()) or states[-1]  # type: ignore[method-assign]
@@ -484,7 +484,7 @@ def test_builtin_policy_bookkeeping_and_reference(model2, name, defaults):
         cfg = VTokenConfig(policy=name, budget=BUDGET)
     else:
         cfg = VTokenConfig(policy=name, budget=BUDGET, slack=0, sink_tokens=SINKS, recent_tokens=RECENT)
-    built = cls.from_config(cfg, budget=BUDGET)
+    built = cfg.make_policy(BUDGET)
     slack = cfg.resolved_slack()
     prompt = _prompt(seed=11)
     res = oracle_generate(model2, prompt, 40, cfg, return_logits=True)

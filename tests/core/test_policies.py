@@ -324,7 +324,7 @@ def test_scissorhands_defaults():
     assert pol.window == 50 and cfg.protections() == (0, 25) and cfg.resolved_slack() == 50
     assert VTokenConfig(policy="scissorhands", budget=1).make_policy().window == 1
     assert VTokenConfig(policy="scissorhands", budget=100, policy_args={"window": 7}).make_policy().window == 7
-    assert ScissorhandsPolicy.from_config(cfg, budget=40).window == 20
+    assert cfg.make_policy(40).window == 20
 
 
 def test_scissorhands_counts_below_uniform_and_window_expiry():

@@ -86,7 +86,7 @@ def test_policies_leave_nan_slots_untouched(policy):
     from vtoken.policies.base import TokenView
 
     cfg = parse_config({"policy": policy, "budget": 16})
-    pol = type(cfg.make_policy()).from_config(cfg, budget=16)
+    pol = cfg.make_policy(16)
     s = pol.init_state()
     s.reset_slots(0, 4)
     view = TokenView(logical_pos=np.arange(4), num_logical=4, prompt_len=4)

@@ -61,9 +61,10 @@ def test_every_refusal_in_the_table_is_raised_by_the_code_and_none_outside():
     start_up = {r.key for r in REFUSALS if r.when == "start-up"}
     assert raised == start_up, f"in the table, never raised: {start_up - raised}; raised, not in the table: " \
                                f"{raised - start_up}"
-    # the one request-time refusal is the streaming-input one, raised by frontend.py from its row
-    assert {r.key for r in REFUSALS if r.when == "request"} == {"streaming_input"}
-    assert 'r.key == "streaming_input"' in (ROOT / "vtoken/integrations/vllm/frontend.py").read_text()
+    # the request-time refusals (streaming input, beam search) are raised by frontend.py from their rows
+    assert {r.key for r in REFUSALS if r.when == "request"} == {"streaming_input", "beam_search"}
+    frontend = (ROOT / "vtoken/integrations/vllm/frontend.py").read_text()
+    assert 'r.key == "streaming_input"' in frontend and 'r.key == "beam_search"' in frontend
     # no refusal message built outside refusals.refuse / the table
     assert len(re.findall(r'raise VTokenConfigError\(f"[^"]*vToken does not support it yet', code)) == 2, "a refusal bypasses refusals.refuse"
     assert code.count('f"vToken does not support') == 1  # frontend.py's streaming-input message, from its row

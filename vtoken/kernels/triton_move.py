@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vtoken.kernels.move import validate_moves, validate_paged_caches, validate_views
+from vtoken.kernels.checks import validate_moves, validate_paged_caches, validate_views
 
 __all__ = ["move_tokens_triton", "move_tokens_paged_triton", "interpret_mode"]
 

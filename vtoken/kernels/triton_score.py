@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vtoken.kernels.score import ScorePlan, validate_score_inputs
+from vtoken.kernels.score_plan import ScorePlan, validate_score_inputs
 from vtoken.kernels.triton_move import _check_device, interpret_mode
 
 __all__ = ["score_attention_triton", "launch_score_kernels"]

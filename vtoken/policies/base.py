@@ -35,12 +35,9 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
-
-if TYPE_CHECKING:  # pragma: no cover
-    from vtoken.config import VTokenConfig
 
 __all__ = ["AttentionNeed", "AttentionStats", "SlotState", "TokenView", "EvictionPolicy"]
 
@@ -209,23 +206,19 @@ class EvictionPolicy(ABC):
         return 0
 
     @classmethod
-    def from_config(cls, cfg: "VTokenConfig", budget: Optional[int] = None) -> "EvictionPolicy":
-        """Build the policy from a :class:`~vtoken.config.VTokenConfig`.
+    def default_args(cls, budget: int) -> dict[str, Any]:
+        """Policy-specific arguments (dataclass fields) that depend on the budget, used where
+        ``policy_args`` leaves them unset (:meth:`vtoken.config.VTokenConfig.make_policy`).
+        Default: none (each field's own default applies)."""
+        return {}
 
-        Raises:
-            ValueError: an unknown or bad entry in ``cfg.policy_args``.
-        """
-        sinks, recent = cfg.protections(budget)
+    @classmethod
+    def arg_names(cls) -> frozenset[str]:
+        """The policy-specific argument names ``policy_args`` may set (its dataclass fields
+        other than ``sink_tokens``, ``recent_tokens`` and ``seed``)."""
         import dataclasses
 
-        allowed = {f.name for f in dataclasses.fields(cls)} - {"sink_tokens", "recent_tokens", "seed"}
-        for k in cfg.policy_args:
-            if k not in allowed:
-                raise ValueError(
-                    f"vtoken.policy_args.{k} = {cfg.policy_args[k]!r}: unknown argument for policy "
-                    f"{cls.name!r}; allowed: {sorted(allowed)}"
-                )
-        return cls(sink_tokens=sinks, recent_tokens=recent, seed=cfg.seed, **cfg.policy_args)
+        return frozenset(f.name for f in dataclasses.fields(cls)) - {"sink_tokens", "recent_tokens", "seed"}
 
     # ----- per-request state -----
     def state_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import ClassVar
 
 import numpy as np
 
@@ -16,9 +15,6 @@ from vtoken.policies.base import (
     TokenView,
     check_int_field,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from vtoken.config import VTokenConfig
 
 __all__ = ["ScissorhandsPolicy"]
 
@@ -102,12 +98,8 @@ class ScissorhandsPolicy(EvictionPolicy):
         return budget // 2
 
     @classmethod
-    def from_config(cls, cfg: "VTokenConfig", budget: Optional[int] = None) -> "ScissorhandsPolicy":
-        policy = super().from_config(cfg, budget)
-        if "window" not in cfg.policy_args:
-            b = cfg.budget if budget is None else budget
-            policy = dataclasses.replace(policy, window=cls.default_window(b))
-        return policy
+    def default_args(cls, budget: int) -> dict:
+        return {"window": cls.default_window(budget)}
 
     # ----- state -----
     def state_specs(self):

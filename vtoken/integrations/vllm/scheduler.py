@@ -168,7 +168,7 @@ class VTokenSchedulerMixin:
         key = (cfg.policy, budget, cfg.sink_tokens, cfg.recent_tokens, cfg.seed, tuple(sorted(cfg.policy_args.items())))
         pol = self._vt_policy_cache.get(key)
         if pol is None:
-            pol = type(cfg.make_policy()).from_config(cfg, budget=budget)
+            pol = cfg.make_policy(budget)
             self._vt_policy_cache[key] = pol
         return pol
 

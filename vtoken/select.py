@@ -1,0 +1,217 @@
+"""Batched victim selection and repack planning: torch ops for every evicting request at once.
+
+The worker-side half of "the scheduler says how many, the worker says which" (issue 22,
+``docs/device-decisions.md``): given each request's keep-scores, logical positions and the number
+of tokens ``k`` to evict, :func:`select_victims` picks the victims of every request in one
+batch, and :func:`plan_moves` plans the repack (holes below the new live count <- live tail
+tokens) for all of them. Both are plain torch tensor code: the same call runs on CPU and CUDA
+tensors, with no per-request or per-token Python loop, no host sync, and no data-dependent
+shapes except the move lists.
+
+Layout (padded, one row per request): ``[R, N]`` tensors where row ``r`` holds request ``r``'s
+request-relative physical slots ``0..num_live[r]-1`` (slot ``s`` lives in the request's block
+``s // block_size`` at offset ``s % block_size``, as in :mod:`vtoken.repack`); columns
+``>= num_live[r]`` are padding and are ignored whatever they hold.
+
+The rules are those of :meth:`vtoken.policies.base.EvictionPolicy.select_victims`, the
+per-request reference the unit tests compare against:
+
+* protected, never a victim: the first ``max(sink_tokens, protected_prefix)`` logical positions
+  (attention sinks, StreamingLLM, Xiao et al. 2023, section 3; the shared prefix under prefix
+  caching) and the ``recent_tokens`` largest live logical positions (the recent window);
+* among the others, the lowest keep-score goes first; ties go to the smaller logical position
+  (the older token); ``NaN`` sorts after every number, as in ``numpy.lexsort``;
+* a request with fewer unprotected tokens than ``k`` loses all of them, no more.
+
+This module never imports vllm.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import torch
+
+__all__ = ["protected_mask", "select_victims", "plan_moves", "MovePlan", "global_slots"]
+
+IntOrTensor = Union[int, torch.Tensor]
+
+
+def _per_row(v: IntOrTensor, r: int, device: torch.device, name: str) -> torch.Tensor:
+    """``v`` as int64 ``[R]`` on ``device`` (a Python int is broadcast)."""
+    if isinstance(v, torch.Tensor):
+        if v.shape != (r,):
+            raise ValueError(f"{name} has shape {tuple(v.shape)}; expected ({r},) (one value per request)")
+        if v.dtype.is_floating_point or v.dtype == torch.bool:
+            raise ValueError(f"{name} has dtype {v.dtype}; expected an integer dtype")
+        return v.to(device=device, dtype=torch.int64)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} = {v!r}; expected an int or an int64 tensor [R]")
+    return torch.full((r,), v, dtype=torch.int64, device=device)
+
+
+def _check_2d(logical_pos: torch.Tensor, num_live: IntOrTensor) -> tuple[int, int, torch.Tensor]:
+    if logical_pos.dim() != 2:
+        raise ValueError(f"logical_pos has shape {tuple(logical_pos.shape)}; expected [R, N]")
+    r, n = logical_pos.shape
+    live = _per_row(num_live, r, logical_pos.device, "num_live")
+    if r and (bool((live < 0).any()) if live.device.type == "cpu" else False):
+        raise ValueError(f"num_live has a negative entry: {live.tolist()}")
+    if r and live.device.type == "cpu" and int(live.max()) > n:
+        raise ValueError(f"num_live has an entry above N = {n}: {live.tolist()}")
+    return r, n, live
+
+
+def protected_mask(
+    logical_pos: torch.Tensor,
+    num_live: IntOrTensor,
+    *,
+    sink_tokens: IntOrTensor = 0,
+    recent_tokens: IntOrTensor = 0,
+    protected_prefix: IntOrTensor = 0,
+) -> torch.Tensor:
+    """The slots no policy may evict, for every request at once.
+
+    Args:
+        logical_pos: int64 ``[R, N]``: the logical position held by each slot (distinct within
+            a row's live slots); padding columns are ignored.
+        num_live: live slots per request, int or int64 ``[R]`` (``0 <= num_live <= N``).
+        sink_tokens, recent_tokens, protected_prefix: tokens, int or int64 ``[R]``, ``>= 0``.
+
+    Returns:
+        bool ``[R, N]``: True for a live slot that holds a sink, a position below
+        ``protected_prefix`` or one of the ``recent_tokens`` largest live positions; False for
+        every other slot, padding included. Equal, row by row, to
+        :meth:`vtoken.policies.base.EvictionPolicy.protected_mask`.
+
+    Raises:
+        ValueError: a shape or dtype that does not match (CPU tensors also: a ``num_live``
+            outside ``0..N``).
+    """
+    r, n, live = _check_2d(logical_pos, num_live)
+    dev = logical_pos.device
+    sinks = _per_row(sink_tokens, r, dev, "sink_tokens")
+    recent = _per_row(recent_tokens, r, dev, "recent_tokens")
+    prefix = _per_row(protected_prefix, r, dev, "protected_prefix")
+    pos = logical_pos.to(torch.int64)
+    valid = torch.arange(n, device=dev)[None, :] < live[:, None]
+    prot = pos < torch.maximum(sinks, prefix)[:, None]
+    if n:
+        # The recent window: positions >= the recent-th largest live position of the row.
+        desc = torch.where(valid, pos, torch.full_like(pos, -1)).sort(dim=1, descending=True).values
+        idx = (torch.minimum(recent, live) - 1).clamp(min=0)
+        cutoff = desc.gather(1, idx[:, None])
+        prot |= (recent > 0)[:, None] & (pos >= cutoff)
+    return prot & valid
+
+
+def select_victims(
+    scores: torch.Tensor,
+    logical_pos: torch.Tensor,
+    num_live: IntOrTensor,
+    num_to_evict: IntOrTensor,
+    *,
+    sink_tokens: IntOrTensor = 0,
+    recent_tokens: IntOrTensor = 0,
+    protected_prefix: IntOrTensor = 0,
+) -> torch.Tensor:
+    """Every request's ``num_to_evict`` victims, in one batch (module docstring for the rules).
+
+    Args:
+        scores: keep-scores ``[R, N]`` (higher = keep), any floating dtype; padding ignored.
+        logical_pos: int64 ``[R, N]``, distinct within a row's live slots.
+        num_live: live slots per request, int or int64 ``[R]``.
+        num_to_evict: ``k`` per request, int or int64 ``[R]``; ``k <= 0`` evicts nothing.
+        sink_tokens, recent_tokens, protected_prefix: as for :func:`protected_mask`.
+
+    Returns:
+        bool ``[R, N]`` on ``scores``' device: exactly ``min(k, unprotected live slots)`` True
+        per row, on the slots that :meth:`vtoken.policies.base.EvictionPolicy.select_victims`
+        returns for that request alone.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes.
+    """
+    if scores.shape != logical_pos.shape:
+        raise ValueError(f"scores has shape {tuple(scores.shape)}; logical_pos has {tuple(logical_pos.shape)}")
+    if not scores.dtype.is_floating_point:
+        raise ValueError(f"scores has dtype {scores.dtype}; expected a floating dtype")
+    r, n, live = _check_2d(logical_pos, num_live)
+    dev = logical_pos.device
+    k = _per_row(num_to_evict, r, dev, "num_to_evict").clamp(min=0)
+    prot = protected_mask(logical_pos, live, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                          protected_prefix=protected_prefix)
+    cols = torch.arange(n, device=dev)[None, :]
+    cand = (cols < live[:, None]) & ~prot
+    # Order (not a candidate, score, logical position) ascending, by three stable sorts from
+    # the last key to the first (the batched numpy.lexsort).
+    order = logical_pos.to(torch.int64).argsort(dim=1, stable=True)
+    order = order.gather(1, scores.gather(1, order).argsort(dim=1, stable=True))
+    order = order.gather(1, (~cand).gather(1, order).to(torch.int8).argsort(dim=1, stable=True))
+    take = cols < torch.minimum(k, cand.sum(dim=1))[:, None]
+    return torch.zeros_like(cand).scatter_(1, order, take)
+
+
+class MovePlan(NamedTuple):
+    """The repack of every request in a batch (:func:`plan_moves`).
+
+    Attributes:
+        rows: int64 ``[M]``: the request (row) of each move.
+        src: int64 ``[M]``: request-relative slot a live tail token moves from
+            (``>= new_live[row]``).
+        dst: int64 ``[M]``: request-relative slot it moves to, a hole (``< new_live[row]``).
+            Within a row, holes ascending pair with live tail slots ascending, as in
+            :func:`vtoken.repack.plan_repack`; moves are ordered by row.
+        new_live: int64 ``[R]``: live slots per request after the eviction.
+    """
+
+    rows: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    new_live: torch.Tensor
+
+
+def plan_moves(victims: torch.Tensor, num_live: IntOrTensor) -> MovePlan:
+    """Plan the repack after :func:`select_victims`: fill each hole below the new live count
+    with a live token from the tail, for every request at once.
+
+    Args:
+        victims: bool ``[R, N]``: the evicted slots (only live slots may be True).
+        num_live: live slots per request before the eviction, int or int64 ``[R]``.
+
+    Returns:
+        :class:`MovePlan`. Row by row, ``(src, dst)`` equal :func:`vtoken.repack.plan_repack`'s
+        for that request's victims. The live tail tokens of a row are exactly as many as its
+        holes below the new count, so the two ``nonzero`` lists pair up in order.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes.
+    """
+    if victims.dtype != torch.bool or victims.dim() != 2:
+        raise ValueError(f"victims has shape {tuple(victims.shape)} and dtype {victims.dtype}; expected bool [R, N]")
+    r, n = victims.shape
+    live = _per_row(num_live, r, victims.device, "num_live")
+    cols = torch.arange(n, device=victims.device)[None, :]
+    valid = cols < live[:, None]
+    victims = victims & valid
+    new_live = live - victims.sum(dim=1)
+    below = cols < new_live[:, None]
+    rows, dst = (victims & below).nonzero(as_tuple=True)
+    _, src = (valid & ~victims & ~below).nonzero(as_tuple=True)
+    return MovePlan(rows, src, dst, new_live)
+
+
+def global_slots(block_table: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Request-relative slots -> global slot ids ``block_id * block_size + offset``.
+
+    Args:
+        block_table: int ``[R, max_blocks]``: row ``r`` lists request ``r``'s block ids.
+        rows, slots: int64 ``[M]``: the request and its request-relative slot.
+        block_size: tokens per block (``>= 1``).
+
+    Returns:
+        int64 ``[M]``: the slot ids the KV-cache move kernels take (:mod:`vtoken.kernels.move`).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size = {block_size}; allowed: an integer >= 1")
+    return block_table[rows, slots // block_size].to(torch.int64) * block_size + slots % block_size
