@@ -38,8 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 import numpy as np
+import torch
 
-__all__ = ["AttentionNeed", "AttentionStats", "SlotState", "TokenView", "EvictionPolicy"]
+__all__ = ["AttentionNeed", "AttentionStats", "SlotState", "TokenView", "EvictionPolicy", "BatchedFields"]
+
+#: one request row per batch row: field name -> tensor ``[R, N, *lead]`` (per-slot) or ``[R]``
+#: (per-request, see ``EvictionPolicy.request_specs``)
+BatchedFields = dict[str, torch.Tensor]
 
 
 class AttentionNeed(enum.Flag):
@@ -240,6 +245,40 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         """Keep-score per slot, float64 ``[num_live]``; higher = more worth keeping."""
+
+    # ----- batched, on the device (vtoken.decider) -----
+    def side_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-slot fields of the paged side cache (:class:`vtoken.decider.SideCache`):
+        name -> (leading shape, torch dtype); by default the numpy ``state_specs``."""
+        return {k: (lead, torch.from_numpy(np.zeros(0, dtype=dt)).dtype) for k, (lead, dt) in self.state_specs().items()}
+
+    def request_specs(self) -> dict[str, torch.dtype]:
+        """Per-request scalar fields (the batched ``SlotState.extra``): name -> dtype. Default: none."""
+        return {}
+
+    def observe_batched(self, fields: BatchedFields, live: torch.Tensor, col_sum: Optional[torch.Tensor],
+                        last_row: Optional[torch.Tensor]) -> None:
+        """Fold one step's statistics for a batch of requests, in place, on the device.
+
+        The batched :meth:`observe`: row ``r`` of every tensor is one request, equal to what
+        :meth:`observe` does to that request's :class:`SlotState` alone.
+
+        Args:
+            fields: per-slot fields gathered from the side cache, ``[R, N, *lead]``, and the
+                per-request fields ``[R]``; updated in place (the caller scatters them back).
+            live: int64 ``[R]``: live slots per request after the step (the keys attended).
+            col_sum, last_row: float ``[R, N]`` (padding past ``live`` is 0), or None when
+                the step did not produce them (the batch shares one kind of step).
+        """
+
+    def score_batched(self, fields: BatchedFields, logical_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Keep-scores of a batch of requests, float64 ``[R, N]`` (higher = keep): row ``r``
+        equals :meth:`score` of that request alone on its live slots (padding: anything).
+
+        Raises:
+            NotImplementedError: the policy has no batched form (the per-request path only).
+        """
+        raise NotImplementedError(f"policy {self.name!r} has no batched (device) form")
 
     # ----- selection (shared) -----
     def protected_mask(self, view: TokenView) -> np.ndarray:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
 
 __all__ = ["H2OPolicy"]
 
@@ -66,3 +67,10 @@ class H2OPolicy(EvictionPolicy):
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return state["acc"][: view.num_live].copy()
+
+    def observe_batched(self, fields: BatchedFields, live, col_sum, last_row) -> None:
+        if col_sum is not None:
+            fields["acc"] += col_sum.to(torch.float64)
+
+    def score_batched(self, fields: BatchedFields, logical_pos, live) -> torch.Tensor:
+        return fields["acc"]

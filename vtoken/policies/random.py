@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from vtoken.policies.base import AttentionNeed, EvictionPolicy, SlotState, TokenView
 
-__all__ = ["RandomPolicy", "position_hash"]
+__all__ = ["RandomPolicy", "position_hash", "position_hash_torch"]
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -37,6 +38,36 @@ def position_hash(seed: int, positions: np.ndarray) -> np.ndarray:
         key = _mix64(np.array([int(seed) & _MASK64], dtype=np.uint64))[0]
         z = _mix64(key + (pos + np.uint64(1)) * _GAMMA)
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _signed(u: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch's wrapping int64 arithmetic)."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_torch(z: torch.Tensor) -> torch.Tensor:
+    z = z ^ _shr(z, 30)
+    z = z * _signed(int(_M1))
+    z = z ^ _shr(z, 27)
+    z = z * _signed(int(_M2))
+    return z ^ _shr(z, 31)
+
+
+def position_hash_torch(seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`position_hash` in torch (any device): float64, bit for bit the same values.
+
+    Args:
+        seed: the policy seed (any int; its low 64 bits are used).
+        positions: int64 tensor of logical positions, any shape.
+    """
+    key = int(_mix64(np.array([int(seed) & _MASK64], dtype=np.uint64))[0])
+    z = _mix64_torch(_signed(key) + (positions.to(torch.int64) + 1) * _signed(int(_GAMMA)))
+    return _shr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
 
 
 @dataclass
@@ -67,3 +98,6 @@ class RandomPolicy(EvictionPolicy):
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return position_hash(self.seed, view.logical_pos)
+
+    def score_batched(self, fields, logical_pos, live):
+        return position_hash_torch(self.seed, logical_pos)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from vtoken.policies.base import (
     AttentionNeed,
@@ -130,3 +131,25 @@ class ScissorhandsPolicy(EvictionPolicy):
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return -self.counts(state, view).astype(np.float64)
+
+    def side_specs(self):
+        return {"hist": ((self.window,), torch.bool)}  # [N, window] per request: slot-major
+
+    def request_specs(self):
+        return {"ring": torch.int64}
+
+    def observe_batched(self, fields, live, col_sum, last_row) -> None:
+        if last_row is None:
+            return
+        hist, ring = fields["hist"], fields["ring"]  # [R, N, window], [R]
+        r, n = last_row.shape
+        cols = torch.arange(n, device=last_row.device)[None, :]
+        t = live.clamp(min=1).to(torch.float64)[:, None]
+        below = (last_row.to(torch.float64) < 1.0 / t) & (cols < live[:, None])
+        idx = (ring % self.window)[:, None, None].expand(r, n, 1)
+        on = (live > 0)[:, None, None]  # the per-request path skips a request with no live token
+        hist.scatter_(2, idx, torch.where(on, below[:, :, None], hist.gather(2, idx)))
+        ring.copy_(torch.where(live > 0, (ring + 1) % self.window, ring))
+
+    def score_batched(self, fields, logical_pos, live) -> torch.Tensor:
+        return -fields["hist"].sum(dim=2, dtype=torch.int64).to(torch.float64)

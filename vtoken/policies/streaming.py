@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from vtoken.policies.base import AttentionNeed, EvictionPolicy, SlotState, TokenView
 
@@ -55,3 +56,6 @@ class StreamingLLMPolicy(EvictionPolicy):
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return view.logical_pos.astype(np.float64)
+
+    def score_batched(self, fields, logical_pos, live):
+        return logical_pos.to(torch.float64)

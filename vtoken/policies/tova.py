@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
 
 __all__ = ["TOVAPolicy"]
 
@@ -60,3 +61,10 @@ class TOVAPolicy(EvictionPolicy):
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return state["last"][: view.num_live].copy()
+
+    def observe_batched(self, fields: BatchedFields, live, col_sum, last_row) -> None:
+        if last_row is not None:
+            fields["last"].copy_(last_row.to(torch.float64))
+
+    def score_batched(self, fields: BatchedFields, logical_pos, live) -> torch.Tensor:
+        return fields["last"]

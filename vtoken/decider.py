@@ -1,0 +1,238 @@
+"""The worker's half of an eviction decision: paged policy state and batched decisions.
+
+"The scheduler says how many, the worker says which" (``docs/device-decisions.md``). The
+scheduler computes, from integers only, how many tokens ``k`` each request evicts in a step;
+this module, on the worker, before the step's forward and any KV write:
+
+1. picks every request's ``k`` victims in one batch (:func:`vtoken.select.select_victims`);
+2. plans the repack of all of them (:func:`vtoken.select.plan_moves`);
+3. moves the per-token policy state with the tokens, and returns the global slot moves for
+   the KV-cache move kernel (:mod:`vtoken.kernels.move`), which applies the same moves to K/V.
+
+Per-token policy state lives in a **side cache** (:class:`SideCache`): one tensor per field,
+indexed like the KV cache by global slot id ``block_id * block_size + offset``, so that the
+token table (the slot -> logical position map, field ``pos``) and the accumulated scores move
+with the K/V by the same ``(src, dst)`` lists, and nothing is sized to a request's model length.
+Per-request scalars (a ring index) live in ``[max_requests]`` tensors indexed by the
+request's row, which the caller assigns (as vLLM's ``InputBatch`` assigns rows).
+
+Everything is torch tensor code on one device (CPU here, CUDA on a GPU): no per-request or
+per-token Python, no host sync inside a step (the move lists have data-dependent length).
+Each row's decisions equal the per-request path's (``TokenTable`` + ``EvictionPolicy`` +
+``plan_repack``): ``tests/core/test_decider.py`` replays random traces through both.
+
+Precision: accumulators keep the policies' numpy dtype (float64 for H2O and TOVA). GPUs run
+float64 adds at a fraction of float32 speed, but a side-cache update is one elementwise add
+per live token per step, far below the attention's cost; float64 keeps the engine's decisions
+equal to the dense oracle's (float32 accumulation reorders near-ties). Revisit if a profile
+shows otherwise.
+
+This module never imports vllm.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from vtoken.policies.base import EvictionPolicy
+from vtoken.select import global_slots, plan_moves, select_victims
+
+__all__ = ["SideCache", "DeviceDecider", "Eviction"]
+
+
+class SideCache:
+    """Per-token policy state paged like the KV cache (module docstring).
+
+    Args:
+        num_slots: ``num_blocks * block_size`` of the KV cache it shadows.
+        specs: per-slot fields, name -> (leading shape, torch dtype), e.g. H2O's
+            ``{"acc": ((), torch.float64)}`` (:meth:`EvictionPolicy.side_specs`). The field
+            ``pos`` (int64, the token's logical position) is always added.
+        device: where the tensors live (the KV cache's device).
+
+    Attributes:
+        fields: name -> tensor ``[num_slots, *lead]``.
+    """
+
+    def __init__(self, num_slots: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device | str = "cpu"):
+        if "pos" in specs:
+            raise ValueError("side-cache field name 'pos' is reserved (the logical position)")
+        specs = {"pos": ((), torch.int64), **specs}
+        self.fields = {k: torch.zeros((num_slots, *lead), dtype=dt, device=device) for k, (lead, dt) in specs.items()}
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of side-cache state per KV slot (to count against the KV pool)."""
+        return sum(t[0].numel() * t.element_size() for t in self.fields.values()) if self.num_slots else 0
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.fields["pos"].shape[0])
+
+    def gather(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every field at global ``slots`` (int64 ``[R, N]``): name -> ``[R, N, *lead]`` (copies)."""
+        return {k: t[slots] for k, t in self.fields.items()}
+
+    def scatter(self, slots: torch.Tensor, mask: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Write ``values[name][mask]`` back to ``slots[mask]`` (bool ``mask`` ``[R, N]``)."""
+        at = slots[mask]
+        for k, v in values.items():
+            self.fields[k][at] = v[mask]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every field's ``src`` slots to ``dst`` slots (gather first, then scatter), as the
+        KV move kernels do (int64 ``[M]`` global slot ids, disjoint sets)."""
+        if src.numel():
+            for t in self.fields.values():
+                t[dst] = t[src]
+
+
+class Eviction(NamedTuple):
+    """What one :meth:`DeviceDecider.evict` did (rows are the batch's order).
+
+    Attributes:
+        src, dst: int64 ``[M]`` global slot ids of the KV moves (for :mod:`vtoken.kernels.move`).
+        rows, src_slot, dst_slot: int64 ``[M]``: the batch row and request-relative slots.
+        new_live: int64 ``[R]`` live tokens per request afterwards.
+        evicted_pos: int64 ``[V]`` logical positions evicted, ``evicted_rows`` int64 ``[V]`` their
+            batch rows (Naive-Evict's dead-block accounting; prefix caching's first evicted
+            position is their per-row minimum).
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    rows: torch.Tensor
+    src_slot: torch.Tensor
+    dst_slot: torch.Tensor
+    new_live: torch.Tensor
+    evicted_pos: torch.Tensor
+    evicted_rows: torch.Tensor
+
+
+class DeviceDecider:
+    """One policy's batched decisions over a side cache (module docstring).
+
+    Args:
+        policy: the eviction policy (its batched methods; protections come per call).
+        num_slots: KV-cache slots (``num_blocks * block_size``).
+        block_size: tokens per block.
+        max_requests: request rows (``max_num_seqs``).
+        device: the KV cache's device.
+
+    Every method takes ``rows`` (int64 ``[R]``, distinct request rows) and ``block_table``
+    (int ``[R, max_blocks]``: row ``i`` lists the blocks of request ``rows[i]``, before any
+    truncation of this step).
+    """
+
+    def __init__(self, policy: EvictionPolicy, num_slots: int, block_size: int, max_requests: int,
+                 device: torch.device | str = "cpu"):
+        self.policy = policy
+        self.block_size = int(block_size)
+        self.side = SideCache(num_slots, policy.side_specs(), device)
+        self.live = torch.zeros(max_requests, dtype=torch.int64, device=device)
+        self.logical = torch.zeros(max_requests, dtype=torch.int64, device=device)
+        self.req_fields = {k: torch.zeros(max_requests, dtype=dt, device=device)
+                           for k, dt in policy.request_specs().items()}
+
+    def _slots(self, rows: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global slots ``[R, n]`` of each row's request-relative slots ``0..n-1`` (padding slots
+        point at slot 0 of the row's first block) and the live mask."""
+        bs = self.block_size
+        cols = torch.arange(n, device=rows.device)
+        live = self.live[rows]
+        mask = cols[None, :] < live[:, None]
+        col_blocks = torch.where(mask, cols[None, :] // bs, 0)
+        slots = block_table.gather(1, col_blocks).to(torch.int64) * bs + torch.where(mask, cols[None, :] % bs, 0)
+        return slots, mask
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """New requests (or a request whose state is dropped) at ``rows``: nothing live."""
+        self.live[rows] = 0
+        self.logical[rows] = 0
+        for t in self.req_fields.values():
+            t[rows] = 0
+
+    def append(self, rows: torch.Tensor, block_table: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append ``counts[i]`` new tokens to request ``rows[i]``: logical positions
+        ``logical..logical+count-1`` go to slots ``live..live+count-1``, with zeroed state.
+
+        Args:
+            counts: int64 ``[R]``, ``>= 0``; the block table must cover the new slots.
+        """
+        r = rows.shape[0]
+        if r == 0:
+            return
+        n_max = int(counts.max())  # the one host sync per call: the batch's widest chunk
+        if n_max == 0:
+            return
+        j = torch.arange(n_max, device=rows.device)
+        mask = j[None, :] < counts[:, None]
+        rel = self.live[rows][:, None] + j[None, :]
+        bs = self.block_size
+        rel_safe = torch.where(mask, rel, 0)
+        slots = block_table.gather(1, rel_safe // bs).to(torch.int64) * bs + rel_safe % bs
+        at = slots[mask]
+        for k, t in self.side.fields.items():
+            t[at] = 0
+        self.side.fields["pos"][at] = (self.logical[rows][:, None] + j[None, :])[mask]
+        self.live[rows] += counts
+        self.logical[rows] += counts
+
+    def observe(self, rows: torch.Tensor, block_table: torch.Tensor, col_sum: Optional[torch.Tensor],
+                last_row: Optional[torch.Tensor]) -> None:
+        """Fold one step's statistics (float ``[R, N]`` in slot order, ``N >= max live``; or
+        None) into the side cache: :meth:`EvictionPolicy.observe_batched`."""
+        if rows.shape[0] == 0 or (col_sum is None and last_row is None):
+            return
+        n = (col_sum if col_sum is not None else last_row).shape[1]
+        slots, mask = self._slots(rows, block_table, n)
+        fields = self.side.gather(slots)
+        fields.pop("pos")
+        req = {k: t[rows] for k, t in self.req_fields.items()}
+        live = self.live[rows]
+        zero = lambda x: None if x is None else torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))  # noqa: E731
+        self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row))
+        self.side.scatter(slots, mask, fields)
+        for k, t in self.req_fields.items():
+            t[rows] = req[k]
+
+    def evict(self, rows: torch.Tensor, block_table: torch.Tensor, k: torch.Tensor, *,
+              sink_tokens: torch.Tensor | int = 0, recent_tokens: torch.Tensor | int = 0,
+              protected_prefix: torch.Tensor | int = 0, width: Optional[int] = None) -> Eviction:
+        """Evict ``k[i]`` tokens of request ``rows[i]`` (module docstring, steps 1-3).
+
+        Args:
+            k: int64 ``[R]`` tokens to evict (``<= 0``: none).
+            sink_tokens, recent_tokens, protected_prefix: per-request protections (int or ``[R]``).
+            width: ``N``, at least the batch's largest live count; None reads it (a host sync).
+
+        Returns:
+            :class:`Eviction`. The side cache (``pos`` and the policy's fields) and the live
+            counts are updated; the caller applies ``(src, dst)`` to the KV cache before any
+            KV write of the step, then truncates the block tables to ``cdiv(new_live, B)``.
+        """
+        live = self.live[rows]
+        n = int(live.max()) if width is None and rows.shape[0] else (width or 0)
+        slots, mask = self._slots(rows, block_table, n)
+        fields = self.side.gather(slots)
+        pos = fields.pop("pos")
+        req = {name: t[rows] for name, t in self.req_fields.items()}
+        scores = self.policy.score_batched({**fields, **req}, pos, live)
+        victims = select_victims(scores, pos, live, k, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                 protected_prefix=protected_prefix)
+        plan = plan_moves(victims, live)
+        ev_rows, ev_cols = victims.nonzero(as_tuple=True)
+        src = slots[plan.rows, plan.src]
+        dst = slots[plan.rows, plan.dst]
+        self.side.move(src, dst)
+        self.live[rows] = plan.new_live
+        return Eviction(src, dst, plan.rows, plan.src, plan.dst, plan.new_live, pos[ev_rows, ev_cols], ev_rows)
+
+    def logical_pos(self, row: int, block_table_row: torch.Tensor) -> torch.Tensor:
+        """int64 ``[live]``: request ``row``'s slot -> logical position (tests, snapshots)."""
+        n = int(self.live[row])
+        rel = torch.arange(n, device=block_table_row.device)
+        return self.side.fields["pos"][global_slots(block_table_row[None, :], torch.zeros_like(rel), rel, self.block_size)]
