@@ -1,6 +1,6 @@
 """Overhead of vToken: engine step time with vToken on vs stock vLLM, measured side by side.
 
-Arms (offline, through ``vtoken.integrations.vllm.harness.run_in_subprocess``; each run is a
+Arms (offline, through ``drivers.harness.run_in_subprocess``; each run is a
 fresh process, so every arm pays the same start-up and only the step loop is timed):
 
 * ``stock``     -- no ``vtoken`` key (the plugin is installed but inert);
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from vtoken.assets.paths import ensure_smollm2, ensure_tiny_model
-    from vtoken.integrations.vllm.harness import run_in_subprocess
+    from drivers.harness import run_in_subprocess
 
     total_len = a.prompt_len + a.output_len
     arms = {

@@ -45,7 +45,7 @@ import json, resource, subprocess, sys
 spec, out, untiled = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 code = ("import sys, vtoken.integrations.vllm.scoring as s\n"
         + ("s.TILE_ELEMS = 1 << 62\n" if untiled else "")
-        + "from vtoken.integrations.vllm.harness import main\nsys.exit(main(sys.argv[1:]))\n")
+        + "from drivers.harness import main\nsys.exit(main(sys.argv[1:]))\n")
 p = subprocess.run([sys.executable, "-c", code, spec, out])
 print(json.dumps(dict(rc=p.returncode, maxrss_kb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)))
 """

@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
 
-from vtoken.integrations.vllm.launcher import server_argv, start_server  # noqa: E402
+from drivers.launcher import server_argv, start_server  # noqa: E402
 
 
 def _vllm_cli_main(argv: list[str]) -> int:
@@ -137,7 +137,7 @@ class Poller(threading.Thread):
 
 
 class Server:
-    """One OpenAI server per arm (``vtoken.integrations.vllm.launcher``: its own process group,
+    """One OpenAI server per arm (``drivers.launcher``: its own process group,
     always killed on exit); a context manager that waits for ``/health`` on entry."""
 
     def __init__(self, model_dir: Path, vt: dict | None, *, pool_blocks: int, port: int, log: Path,

@@ -2,7 +2,7 @@
 
 The SLA sweep (``bench_sla.py``) shows H2O missing its TPOT SLO in every arm on this CPU. This
 benchmark measures why, by splitting each engine step of the SLA set-up's arms into parts,
-timed inside one in-process engine (``vtoken.integrations.vllm.harness``, UniProc executor, so
+timed inside one in-process engine (``drivers.harness``, UniProc executor, so
 the worker runs in the timed process):
 
 * ``schedule``   -- ``Scheduler.schedule()`` without vToken's planning (vLLM's own scheduling);
@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, machine_info, write_json  # noqa: E402
 
-from vtoken.integrations.vllm.harness import RunHooks  # noqa: E402
+from drivers.harness import RunHooks  # noqa: E402
 
 PARTS = ("forward", "scoring", "moves", "plan", "schedule", "update", "other")
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from vtoken.assets.paths import ensure_smollm2
-    from vtoken.integrations.vllm.harness import run_in_subprocess
+    from drivers.harness import run_in_subprocess
 
     model = str(ensure_smollm2())
     t_start = time.time()

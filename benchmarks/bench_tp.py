@@ -52,7 +52,7 @@ def spec(model: str, tp: int, vt) -> dict:
 
 def main() -> int:
     from vtoken.assets.paths import ensure_tiny_model
-    from vtoken.integrations.vllm.harness import run_in_subprocess
+    from drivers.harness import run_in_subprocess
 
     model = str(ensure_tiny_model())
     load_before = list(os.getloadavg())

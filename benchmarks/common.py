@@ -2,7 +2,7 @@
 
 Every benchmark writes one JSON result with :func:`run_metadata` (exact command line, date,
 machine, software versions, model, seeds) and runs engines through the offline harness
-(:func:`vtoken.integrations.vllm.harness.run_in_subprocess`): one fresh process per engine.
+(:func:`drivers.harness.run_in_subprocess`): one fresh process per engine.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 
 RESULTS = ROOT / "benchmarks" / "results"
 
-from vtoken.integrations.vllm.harness import RunHooks  # noqa: E402
+from drivers.harness import RunHooks  # noqa: E402
 
 #: every eviction policy the project ships (vtoken.policies)
 ALL_POLICIES = ["h2o", "random", "scissorhands", "tova", "streaming"]
@@ -188,7 +188,7 @@ def engine_kwargs(model: str, *, dtype: str, block_size: int, max_model_len: int
 
 
 class PreemptionCounter(RunHooks):
-    """Harness hooks (:class:`vtoken.integrations.vllm.harness.RunHooks`): count vLLM's own
+    """Harness hooks (:class:`drivers.harness.RunHooks`): count vLLM's own
     preemptions (works for stock vLLM too); the count comes back as ``out["preemptions"]``.
 
     Wraps the scheduler instance's ``_preempt_request`` (the one place V1 preempts a running
@@ -220,7 +220,7 @@ class PreemptionCounter(RunHooks):
 
 def run_engine(spec: dict[str, Any], *, stock: bool = False, trace: bool = False,
                abort_on_preemption: bool = False, timeout: float = 1800) -> dict[str, Any]:
-    """Run a harness spec in a fresh process (:func:`vtoken.integrations.vllm.harness.run_in_subprocess`)
+    """Run a harness spec in a fresh process (:func:`drivers.harness.run_in_subprocess`)
     with :class:`PreemptionCounter` (adds ``preemptions``).
 
     Args:
@@ -233,7 +233,7 @@ def run_engine(spec: dict[str, Any], *, stock: bool = False, trace: bool = False
     Raises:
         RuntimeError: the run failed; the message holds the tail of its log.
     """
-    from vtoken.integrations.vllm.harness import run_in_subprocess
+    from drivers.harness import run_in_subprocess
 
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if stock:

@@ -283,7 +283,7 @@ class Deadline:
 
 
 def _engine(spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    from vtoken.integrations.vllm.harness import run_in_subprocess
+    from drivers.harness import run_in_subprocess
 
     t0 = time.perf_counter()
     try:

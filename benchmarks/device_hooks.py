@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vtoken.integrations.vllm.harness import RunHooks
+from drivers.harness import RunHooks
 
 
 class RouteStatsHooks(RunHooks):

@@ -3,7 +3,7 @@
     python benchmarks/soak.py --minutes N [--model tiny|smollm2] [--clients 4] [--seed 0] [--out PATH]
 
 Bounded and loopback only: it starts ``vllm.entrypoints.openai.api_server`` on 127.0.0.1
-(``vtoken.integrations.vllm.launcher``: its own process group, killed at the end whatever happens) with ``VTOKEN_CHECK=1`` (the
+(``drivers.launcher``: its own process group, killed at the end whatever happens) with ``VTOKEN_CHECK=1`` (the
 scheduler asserts block ownership and per-request block counts after every step; a
 violation kills the engine), a small KV pool (so preemptions happen) and H2O as the
 default policy. Several client threads send ShareGPT first turns
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from vtoken.integrations.vllm.launcher import OpenAIServer, start_server  # noqa: E402
+from drivers.launcher import OpenAIServer, start_server  # noqa: E402
 
 POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random"]
 MODEL_NAME = "soak"
@@ -91,7 +91,7 @@ SERVER_ARGS = ["--gpu-memory-utilization", "0.1", "--block-size", "32", "--enfor
 
 
 def start_soak_server(model: str, shape: dict, log_path: Path) -> OpenAIServer:
-    """The OpenAI server with ``VTOKEN_CHECK=1`` (vtoken.integrations.vllm.launcher; call ``close()``)."""
+    """The OpenAI server with ``VTOKEN_CHECK=1`` (drivers.launcher; call ``close()``)."""
     return start_server(_model_dir(model), log_path, [*SERVER_ARGS, *shape["args"]], {"vtoken": shape["vtoken"]},
                         served_model_name=MODEL_NAME,
                         env=dict(VTOKEN_CHECK="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")))

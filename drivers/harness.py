@@ -1,7 +1,7 @@
 """Offline harness: run requests through a real vLLM engine and report tokens and blocks.
 
 The one engine runner of the integration tests, the reliability tests, the benchmarks and the
-soak. It runs in its own process (``python -m vtoken.integrations.vllm.harness SPEC.json
+soak. It runs in its own process (``python -m drivers.harness SPEC.json
 OUT.json``) because a vLLM engine wants a fresh process, and because the plugin allow-list
 (``VLLM_PLUGINS``) is read per process; the EngineCore runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the harness can read the block pool.
@@ -251,7 +251,10 @@ def run_in_subprocess(spec: dict[str, Any], *, env: dict[str, str] | None = None
         e.pop("PROMETHEUS_MULTIPROC_DIR", None)  # in-process EngineCore: nothing to bridge
         if env:
             e.update(env)
-        p = subprocess.run([sys.executable, "-m", "vtoken.integrations.vllm.harness", str(sp), str(op)],
+        # this checkout's drivers/ (and vtoken/) first, whatever the caller's directory
+        root = str(Path(__file__).resolve().parents[1])
+        e["PYTHONPATH"] = os.pathsep.join([root] + [x for x in e.get("PYTHONPATH", "").split(os.pathsep) if x])
+        p = subprocess.run([sys.executable, "-m", "drivers.harness", str(sp), str(op)],
                            env=e, capture_output=True, text=True, timeout=timeout, start_new_session=True)
         if p.returncode != 0 or not op.exists():
             tail = (p.stdout + p.stderr)[-6000:]
@@ -262,7 +265,7 @@ def run_in_subprocess(spec: dict[str, Any], *, env: dict[str, str] | None = None
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m vtoken.integrations.vllm.harness SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m drivers.harness SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     out = run_spec(spec)

@@ -127,6 +127,13 @@ class VTokenConfig(BaseModel):
         0.0, ge=0.0, lt=1.0, description="pressure pacing: free blocks to keep in reserve, as a fraction of the "
         "pool (the larger of the two watermarks applies)"
     )
+    decide_on: Literal["scheduler", "worker"] = Field(
+        "scheduler",
+        description="where eviction decisions run. scheduler: per request inside vLLM's scheduler (every feature). "
+        "worker: the scheduler computes from counts only how many tokens each request evicts, and the worker picks "
+        "which, batched in torch, with the policy state next to the KV cache; async scheduling then decides exactly "
+        "as sync; refused (by name) with mode naive and with prefix caching (docs/device-decisions.md)",
+    )
     protect_cached_prefix: bool = Field(
         False,
         description="with vLLM prefix caching on: false: never evict the prefix a request got from the cache "

@@ -137,6 +137,15 @@ class DeviceDecider:
         self.req_fields = {k: torch.zeros(max_requests, dtype=dt, device=device)
                            for k, dt in policy.request_specs().items()}
 
+    def ensure_rows(self, n: int) -> None:
+        """Make room for request rows ``0..n-1`` (new rows start empty)."""
+        have = self.live.shape[0]
+        if n <= have:
+            return
+        grow = lambda t: torch.cat([t, torch.zeros(n - have, dtype=t.dtype, device=t.device)])  # noqa: E731
+        self.live, self.logical = grow(self.live), grow(self.logical)
+        self.req_fields = {k: grow(t) for k, t in self.req_fields.items()}
+
     def _slots(self, rows: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slots ``[R, n]`` of each row's request-relative slots ``0..n-1`` (padding slots
         point at slot 0 of the row's first block) and the live mask."""
@@ -222,7 +231,7 @@ class DeviceDecider:
         req = {name: t[rows] for name, t in self.req_fields.items()}
         scores = self.policy.score_batched({**fields, **req}, pos, live)
         victims = select_victims(scores, pos, live, k, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                 protected_prefix=protected_prefix)
+                                 protected_prefix=protected_prefix, num_logical=self.logical[rows])
         plan = plan_moves(victims, live)
         ev_rows, ev_cols = victims.nonzero(as_tuple=True)
         src = slots[plan.rows, plan.src]

@@ -28,13 +28,16 @@ This module never imports vllm.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 __all__ = ["protected_mask", "select_victims", "plan_moves", "MovePlan", "global_slots"]
 
 IntOrTensor = Union[int, torch.Tensor]
+
+#: :func:`select_victims` takes the ``topk`` path when ``max k * _FEW_RATIO <= N`` (tests change it)
+_FEW_RATIO = 16
 
 
 def _per_row(v: IntOrTensor, r: int, device: torch.device, name: str) -> torch.Tensor:
@@ -69,6 +72,7 @@ def protected_mask(
     sink_tokens: IntOrTensor = 0,
     recent_tokens: IntOrTensor = 0,
     protected_prefix: IntOrTensor = 0,
+    num_logical: Optional[IntOrTensor] = None,
 ) -> torch.Tensor:
     """The slots no policy may evict, for every request at once.
 
@@ -77,6 +81,11 @@ def protected_mask(
             a row's live slots); padding columns are ignored.
         num_live: live slots per request, int or int64 ``[R]`` (``0 <= num_live <= N``).
         sink_tokens, recent_tokens, protected_prefix: tokens, int or int64 ``[R]``, ``>= 0``.
+        num_logical: tokens ever appended per request (int or int64 ``[R]``), optional. When
+            given, a row whose positions ``num_logical - recent_tokens ..`` are all live (every
+            state the protocol reaches: a token is protected from its append until it leaves
+            the window) gets its recent window from that count, without a sort; other rows,
+            or no ``num_logical``, sort their positions.
 
     Returns:
         bool ``[R, N]``: True for a live slot that holds a sink, a position below
@@ -98,9 +107,16 @@ def protected_mask(
     prot = pos < torch.maximum(sinks, prefix)[:, None]
     if n:
         # The recent window: positions >= the recent-th largest live position of the row.
-        desc = torch.where(valid, pos, torch.full_like(pos, -1)).sort(dim=1, descending=True).values
-        idx = (torch.minimum(recent, live) - 1).clamp(min=0)
-        cutoff = desc.gather(1, idx[:, None])
+        cutoff = None
+        if num_logical is not None:
+            r_eff = torch.minimum(recent, live)
+            c = (_per_row(num_logical, r, dev, "num_logical") - r_eff)[:, None]
+            if bool((((pos >= c) & valid).sum(dim=1) == r_eff).all()):  # one host sync
+                cutoff = c
+        if cutoff is None:
+            desc = torch.where(valid, pos, torch.full_like(pos, -1)).sort(dim=1, descending=True).values
+            idx = (torch.minimum(recent, live) - 1).clamp(min=0)
+            cutoff = desc.gather(1, idx[:, None])
         prot |= (recent > 0)[:, None] & (pos >= cutoff)
     return prot & valid
 
@@ -114,6 +130,7 @@ def select_victims(
     sink_tokens: IntOrTensor = 0,
     recent_tokens: IntOrTensor = 0,
     protected_prefix: IntOrTensor = 0,
+    num_logical: Optional[IntOrTensor] = None,
 ) -> torch.Tensor:
     """Every request's ``num_to_evict`` victims, in one batch (module docstring for the rules).
 
@@ -122,7 +139,11 @@ def select_victims(
         logical_pos: int64 ``[R, N]``, distinct within a row's live slots.
         num_live: live slots per request, int or int64 ``[R]``.
         num_to_evict: ``k`` per request, int or int64 ``[R]``; ``k <= 0`` evicts nothing.
-        sink_tokens, recent_tokens, protected_prefix: as for :func:`protected_mask`.
+        sink_tokens, recent_tokens, protected_prefix, num_logical: as for :func:`protected_mask`.
+
+    Few victims per row (``max k <= N / 16``, steady decode), no ``NaN`` score: two ``topk``
+    passes (the k-th smallest score, then the smallest positions among the scores equal to
+    it); otherwise the batched ``lexsort`` (three stable sorts). Both give the same victims.
 
     Returns:
         bool ``[R, N]`` on ``scores``' device: exactly ``min(k, unprotected live slots)`` True
@@ -140,16 +161,37 @@ def select_victims(
     dev = logical_pos.device
     k = _per_row(num_to_evict, r, dev, "num_to_evict").clamp(min=0)
     prot = protected_mask(logical_pos, live, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                          protected_prefix=protected_prefix)
+                          protected_prefix=protected_prefix, num_logical=num_logical)
     cols = torch.arange(n, device=dev)[None, :]
     cand = (cols < live[:, None]) & ~prot
+    k_eff = torch.minimum(k, cand.sum(dim=1))
+    kmax = int(k_eff.max()) if r else 0  # host sync
+    if kmax == 0:
+        return torch.zeros_like(cand)
+    if kmax * _FEW_RATIO <= n and not bool(torch.isnan(scores).any()):
+        return _select_few(scores, logical_pos.to(torch.int64), cand, k_eff, kmax)
     # Order (not a candidate, score, logical position) ascending, by three stable sorts from
     # the last key to the first (the batched numpy.lexsort).
     order = logical_pos.to(torch.int64).argsort(dim=1, stable=True)
     order = order.gather(1, scores.gather(1, order).argsort(dim=1, stable=True))
     order = order.gather(1, (~cand).gather(1, order).to(torch.int8).argsort(dim=1, stable=True))
-    take = cols < torch.minimum(k, cand.sum(dim=1))[:, None]
+    take = cols < k_eff[:, None]
     return torch.zeros_like(cand).scatter_(1, order, take)
+
+
+def _select_few(scores: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor, k_eff: torch.Tensor,
+                kmax: int) -> torch.Tensor:
+    """:func:`select_victims` for small ``k`` and no NaN: every candidate scoring below the
+    row's k-th smallest candidate score, then the smallest positions among those equal to it."""
+    s = torch.where(cand, scores, torch.full((), float("inf"), dtype=scores.dtype, device=scores.device))
+    kth = s.topk(kmax, dim=1, largest=False).values.gather(1, (k_eff - 1).clamp(min=0)[:, None])
+    below = cand & (s < kth)
+    tie = cand & (s == kth)
+    need = k_eff - below.sum(dim=1)  # >= 1 where k_eff >= 1: the k-th itself is a tie
+    mmax = int(need.max())  # host sync
+    p = torch.where(tie, pos, torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=pos.device))
+    pth = p.topk(mmax, dim=1, largest=False).values.gather(1, (need - 1).clamp(min=0)[:, None])
+    return (below | (tie & (p <= pth))) & (k_eff > 0)[:, None]
 
 
 class MovePlan(NamedTuple):

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from vtoken.policies.base import EvictionPolicy, TokenView
 from vtoken.repack import plan_repack
+import vtoken.select
 from vtoken.select import global_slots, plan_moves, protected_mask, select_victims
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=300, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -44,11 +46,16 @@ def batches(draw):
     for _ in range(r):
         n = draw(st.integers(0, 24))
         logical = n + draw(st.integers(0, 10))  # some positions were evicted before
-        pos = draw(st.permutations(list(range(logical))))[:n]
+        if draw(st.booleans()):  # any live set
+            pos = draw(st.permutations(list(range(logical))))[:n]
+        else:  # a state the protocol reaches: the newest positions all live, older ones thinned
+            keep_top = draw(st.integers(0, n))
+            older = draw(st.permutations(list(range(logical - keep_top))))[: n - keep_top]
+            pos = draw(st.permutations(older + list(range(logical - keep_top, logical))))
         # few distinct values: many ties; inf and NaN too
         scores = draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -1.0, float("inf"), float("nan")]),
                                min_size=n, max_size=n))
-        rows.append(dict(pos=pos, scores=scores, k=draw(st.integers(-1, n + 3)), sinks=draw(st.integers(0, 5)),
+        rows.append(dict(pos=pos, scores=scores, logical=logical, k=draw(st.integers(-1, n + 3)), sinks=draw(st.integers(0, 5)),
                          recent=draw(st.integers(0, n + 2)), prefix=draw(st.integers(0, 8))))
     pad = draw(st.integers(0, 3))
     return rows, max(len(x["pos"]) for x in rows) + pad
@@ -66,14 +73,25 @@ def _pack(rows, width, device):
     return sc.to(device), pos.to(device), live, vec("k"), vec("sinks"), vec("recent"), vec("prefix")
 
 
+@pytest.fixture(params=["sort", "topk"])
+def method(request, monkeypatch):
+    """Both selection paths: the batched lexsort, and topk (taken unless a score is NaN)."""
+    monkeypatch.setattr(vtoken.select, "_FEW_RATIO", 0 if request.param == "topk" else 10**9)
+    return request.param
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @SETTINGS
-@given(batches())
-def test_equals_the_per_request_reference(device, batch):
+@given(batch=batches(), logical_known=st.booleans())
+def test_equals_the_per_request_reference(device, method, batch, logical_known):
     rows, width = batch
     sc, pos, live, k, sinks, recent, prefix = _pack(rows, width, device)
-    got = select_victims(sc, pos, live, k, sink_tokens=sinks, recent_tokens=recent, protected_prefix=prefix)
-    prot = protected_mask(pos, live, sink_tokens=sinks, recent_tokens=recent, protected_prefix=prefix)
+    # num_logical: the fast recent window where the row's top positions are all live, a sort elsewhere
+    nl = torch.tensor([x["logical"] for x in rows], device=device) if logical_known else None
+    got = select_victims(sc, pos, live, k, sink_tokens=sinks, recent_tokens=recent, protected_prefix=prefix,
+                         num_logical=nl)
+    prot = protected_mask(pos, live, sink_tokens=sinks, recent_tokens=recent, protected_prefix=prefix,
+                          num_logical=nl)
     plan = plan_moves(got, live)
     assert got.dtype == torch.bool and got.shape == (len(rows), width) and got.device.type == device
     for i, x in enumerate(rows):
@@ -89,7 +107,7 @@ def test_equals_the_per_request_reference(device, batch):
     assert plan.rows.tolist() == sorted(plan.rows.tolist())
 
 
-def test_hand_case_ties_and_every_protection():
+def test_hand_case_ties_and_every_protection(method):
     # One request, 12 live slots in a permuted order (a repack happened before).
     pos = torch.tensor([[0, 1, 2, 11, 4, 5, 6, 7, 8, 9, 10, 3]])
     sc = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.5, 0.1, 0.1, 0.9, 0.1, 0.0, 0.0, 0.1]], dtype=torch.float64)
@@ -106,7 +124,7 @@ def test_hand_case_ties_and_every_protection():
     assert plan.dst.tolist() == [2, 5] and plan.src.tolist() == [8, 10] and plan.rows.tolist() == [0, 0]
 
 
-def test_ragged_batch_k_zero_to_all():
+def test_ragged_batch_k_zero_to_all(method):
     pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 0, 0], [5, 4, 3, 2, 1, 0]])
     sc = torch.tensor([[6, 5, 4, 3, 2, 1], [1, 1, 1, 9, 9, 9], [1, 2, 3, 4, 5, 6]], dtype=torch.float32)
     v = select_victims(sc, pos, torch.tensor([6, 3, 6]), torch.tensor([0, 2, 99]))

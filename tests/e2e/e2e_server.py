@@ -1,6 +1,6 @@
 """End-to-end helpers: the OpenAI server of the tests, started per module with the one launcher.
 
-The launcher is :mod:`vtoken.integrations.vllm.launcher` (also used by ``benchmarks/soak.py``
+The launcher is :mod:`drivers.launcher` (also used by ``benchmarks/soak.py``
 and ``benchmarks/bench_sla.py``): 127.0.0.1, a free port, its own process group killed at
 teardown, a bounded wait for ``/health``. This module adds the tests' server shape (fp32,
 eager, block size 32, a fixed KV pool) and greedy request helpers.
@@ -15,8 +15,8 @@ from typing import Any, Iterator, Optional
 
 import requests
 
-from vtoken.integrations.vllm import launcher
-from vtoken.integrations.vllm.launcher import vllm_cli  # noqa: F401  (re-exported for the tests)
+from drivers import launcher
+from drivers.launcher import vllm_cli  # noqa: F401  (re-exported for the tests)
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 96  # >= max_model_len / block_size + 1 (vLLM's start-up check) with room for 4 requests

@@ -13,7 +13,7 @@ import pytest
 from e2e_server import MODEL_NAME, SERVER_ARGS, START_TIMEOUT_S, Server, expected_counters
 from execution_paths import SCORE_LAG, path_env
 from vtoken.config import parse_config
-from vtoken.integrations.vllm import launcher
+from drivers import launcher
 from vtoken.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine

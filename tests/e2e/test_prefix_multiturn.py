@@ -32,7 +32,7 @@ import pytest
 
 from e2e_server import BLOCK_SIZE, MODEL_NAME, SERVER_ARGS, Server
 from vtoken.config import parse_config
-from vtoken.integrations.vllm import launcher
+from drivers import launcher
 from vtoken.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine

@@ -21,7 +21,7 @@ import pytest
 
 from e2e_server import MODEL_NAME, expected_counters, run_server, vllm_cli
 from vtoken.config import parse_config
-from vtoken.integrations.vllm import launcher
+from drivers import launcher
 from vtoken.integrations.vllm.metrics import COUNTERS, GAUGES
 from vtoken.oracle import oracle_generate
 

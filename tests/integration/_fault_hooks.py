@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from vtoken.integrations.vllm.harness import RunHooks
+from drivers.harness import RunHooks
 
 FAULTY_BUDGET = 41
 

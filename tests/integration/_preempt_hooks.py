@@ -9,7 +9,7 @@ request id -> the engine step after which it had finished.
 
 from __future__ import annotations
 
-from vtoken.integrations.vllm.harness import RunHooks
+from drivers.harness import RunHooks
 
 
 class PreemptProbe(RunHooks):

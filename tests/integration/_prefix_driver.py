@@ -41,7 +41,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["VTOKEN_CHECK"] = "1"
     from vllm import LLM, SamplingParams
 
-    from vtoken.integrations.vllm.harness import _execution_path
+    from drivers.harness import _execution_path
 
     kw = dict(spec["engine"], seed=0, additional_config={"vtoken": spec["vtoken"]})
     llm = LLM(**kw)

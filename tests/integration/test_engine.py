@@ -5,7 +5,7 @@ scheduling, Model Runner V2 with sync scheduling, and Model Runner V2 with async
 one step late, and the oracle replays the same lag (``score_lag=1``).
 
 Engines are expensive (~10-30 s each), so each fixture runs one engine over a whole
-batch of requests in a subprocess (``vtoken.integrations.vllm.harness``) and the tests
+batch of requests in a subprocess (``drivers.harness``) and the tests
 read its output. Every vToken run has ``VTOKEN_CHECK=1``: after every schedule() the
 scheduler asserts that each scheduled request holds exactly ceil(live/B) blocks
 (vtoken) or the Naive-Evict count (naive), that no block is owned twice and that
@@ -20,7 +20,7 @@ import pytest
 
 from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import parse_config, parse_request_overrides
-from vtoken.integrations.vllm.harness import run_in_subprocess
+from drivers.harness import run_in_subprocess
 
 from execution_paths import EXPECTED, PATHS, SCORE_LAG, path_env
 

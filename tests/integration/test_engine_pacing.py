@@ -8,7 +8,7 @@ import pytest
 
 from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import parse_config, parse_request_overrides
-from vtoken.integrations.vllm.harness import run_in_subprocess
+from drivers.harness import run_in_subprocess
 
 from execution_paths import EXPECTED, SCORE_LAG, path_env
 

@@ -11,7 +11,7 @@ import pytest
 
 from vtoken.assets.paths import ensure_sharegpt, ensure_smollm2
 from vtoken.config import parse_config, parse_request_overrides
-from vtoken.integrations.vllm.harness import run_in_subprocess
+from drivers.harness import run_in_subprocess
 
 pytestmark = [pytest.mark.engine, pytest.mark.smollm2]
 

@@ -1,6 +1,6 @@
 """Fault injection for the reliability tests, as hooks of the one engine runner.
 
-The runner is ``vtoken.integrations.vllm.harness`` (in-process EngineCore, ``VTOKEN_CHECK=1``:
+The runner is ``drivers.harness`` (in-process EngineCore, ``VTOKEN_CHECK=1``:
 the scheduler checks block ownership and accounting after every step and a violation fails
 the run; ``groups`` run one after another in the same engine, each from an idle engine, with
 the pool's free count at both ends). :class:`FaultHooks` adds what the fault tests need:
@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from vtoken.integrations.vllm import harness
+from drivers import harness
 
 
 class FaultHooks(harness.RunHooks):

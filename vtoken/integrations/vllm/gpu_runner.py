@@ -222,7 +222,7 @@ class VTokenGPUWorkerCore(VTokenWorkerCore):
             self._dst = torch.empty(size, dtype=torch.int64, device=device)
         return self._src, self._dst
 
-    def begin_step(self, payload: Optional[StepPayload], finished=()) -> None:
+    def begin_step(self, payload: Optional[StepPayload], finished=(), scheduler_output=None) -> None:
         """Moves in every layer with one Triton launch (staged copies), then the shared bookkeeping."""
         if payload is not None and payload.num_moves:
             from vtoken.kernels import move_tokens_paged
@@ -237,7 +237,7 @@ class VTokenGPUWorkerCore(VTokenWorkerCore):
                 self.moves_launched += 1
             empty = np.zeros(0, dtype=np.int64)
             payload = dataclasses.replace(payload, src=empty, dst=empty)
-        super().begin_step(payload, finished)
+        super().begin_step(payload, finished, scheduler_output)
 
     def start_scoring(self, req_ids: list[str]) -> None:
         """Arm a :class:`GPUStepScores` for the rows of this batch that asked for scores (batch order)."""

@@ -12,11 +12,26 @@ offsets that changed. ``None`` (no attribute) means nothing to do: the stock pat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-__all__ = ["StepPayload", "ScoreMap"]
+__all__ = ["StepPayload", "ScoreMap", "WorkerSpec"]
+
+
+class WorkerSpec(NamedTuple):
+    """What the worker needs to decide for one request under ``decide_on: worker``.
+
+    Attributes:
+        policy: the request's :class:`~vtoken.policies.base.EvictionPolicy` (a small dataclass;
+            the worker uses its batched methods, grouping requests by policy).
+        sink_tokens, recent_tokens, protected_prefix: its protections, in tokens.
+    """
+
+    policy: Any
+    sink_tokens: int
+    recent_tokens: int
+    protected_prefix: int
 
 #: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot.
 ScoreMap = dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]
@@ -50,6 +65,12 @@ class StepPayload:
             scores; scheduler-side bookkeeping (the worker ignores it) that files the
             statistics under the step they came from when they return, possibly a step
             late under async scheduling.
+        states: ``decide_on: worker``: req_id -> :class:`WorkerSpec` of a request whose state the
+            scheduler made in this step (first scheduled, or again after a preemption): the
+            worker starts its token table empty (counting this step's tokens).
+        evict: ``decide_on: worker``: req_id -> ``k``, the tokens to evict before this step's
+            forward; the worker picks which (:mod:`vtoken.decider`) and moves K/V and policy
+            state itself, so ``src``/``dst`` stay empty.
     """
 
     src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -60,16 +81,20 @@ class StepPayload:
     scores: dict[str, int] = field(default_factory=dict)
     refill: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     score_steps: dict[str, tuple[int, int]] = field(default_factory=dict)
+    states: dict[str, WorkerSpec] = field(default_factory=dict)
+    evict: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_moves(self) -> int:
         return int(self.src.shape[0])
 
     def is_empty(self) -> bool:
-        return not (self.num_moves or self.truncate or self.offsets or self.scores or self.refill)
+        return not (self.num_moves or self.truncate or self.offsets or self.scores or self.refill or self.states
+                    or self.evict)
 
     def __repr__(self) -> str:  # counts only, never token data
         return (
             f"StepPayload(moves={self.num_moves}, truncate={len(self.truncate)}, "
-            f"offsets={len(self.offsets)}, scores={len(self.scores)}, refill={len(self.refill)})"
+            f"offsets={len(self.offsets)}, scores={len(self.scores)}, refill={len(self.refill)}, "
+            f"states={len(self.states)}, evict={len(self.evict)})"
         )

@@ -90,6 +90,8 @@ def _wrap_create_engine_config() -> None:
         worker_cls = platforms.check_platform(vcfg, current_platform)
         if vcfg.scheduler_config.scheduler_cls is not None:
             refusals.refuse("scheduler_cls", vcfg.scheduler_config.scheduler_cls)
+        if cfg.decide_on == "worker":
+            _check_worker_decisions(cfg, vcfg, worker_cls)
         is_async = bool(vcfg.scheduler_config.async_scheduling)
         vcfg.scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = worker_cls
@@ -111,6 +113,16 @@ def _wrap_create_engine_config() -> None:
 
     create_engine_config._vtoken_wrapped = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
+    """``decide_on: worker`` is refused, by name, with what it does not cover yet (refusals.py)."""
+    if cfg.mode == "naive":
+        refusals.refuse("worker_decisions", "worker", "with vtoken.mode = 'naive'; use mode: vtoken")
+    if vcfg.cache_config.enable_prefix_caching:
+        refusals.refuse("worker_decisions", "worker", "with prefix caching on; pass --no-enable-prefix-caching")
+    if worker_cls == platforms.CUDA_WORKER_CLS:
+        refusals.refuse("worker_decisions", "worker", f"with the CUDA worker ({worker_cls})")
 
 
 def _check_block_size(block_size) -> None:

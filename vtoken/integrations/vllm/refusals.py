@@ -93,6 +93,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("scheduler_cls", "--scheduler-cls", "start-up",
             "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
             "async scheduling)"),
+    Refusal("worker_decisions", "vtoken.decide_on = worker, with mode naive, prefix caching or the CUDA worker",
+            "start-up",
+            "the worker-side decisions are built and tested for the CPU worker's repack without prefix caching so "
+            "far: Naive-Evict's dead-block counts and the clean prefix prefix caching hashes would need the evicted "
+            "positions back from the worker; use decide_on: scheduler (the default) for these"),
     Refusal("streaming_input", "streaming-input (resumable) requests", "request",
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),
@@ -117,7 +122,7 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
     r = _BY_KEY[key]
     # the one error format (vtoken.config): "<where> = <value>: <problem>"
     extra = f"; {detail}" if detail else ""
-    if r.option.startswith("--") or r.key == "platform":
+    if r.option.startswith(("--", "vtoken.")) or r.key == "platform":
         option = r.option.split(" ", 1)[0]
         raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
     raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")

@@ -62,7 +62,7 @@ class VTokenV1Adapter:
                 rs = self.requests.get(rid)
                 if rs is not None:
                     self._vt.dump_kv_digest(rid, list(rs.block_ids[0]), rs.num_computed_tokens - self._vt.offsets.get(rid, 0))
-        self._vt.begin_step(p, scheduler_output.finished_req_ids)
+        self._vt.begin_step(p, scheduler_output.finished_req_ids, scheduler_output)
         if p is not None:
             for rid, keep in p.truncate.items():
                 rs = self.requests.get(rid)

@@ -84,7 +84,7 @@ class VTokenV2Adapter:
 
     def update_requests(self, scheduler_output) -> None:
         p = getattr(scheduler_output, "vtoken", None)
-        self._vt.begin_step(p)
+        self._vt.begin_step(p, (), scheduler_output)
         if p is not None:
             for rid, kept in p.kept_blocks.items():
                 idx = self.req_states.req_id_to_index.get(rid)

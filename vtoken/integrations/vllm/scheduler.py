@@ -56,11 +56,12 @@ from vtoken.config import VTokenConfig, VTokenConfigError, effective_budget, num
 from vtoken.integrations.vllm.accounting import BlockAccounting, VTokenFullAttentionManager
 from vtoken.integrations.vllm.checks import check_invariants, trace_record
 from vtoken.integrations.vllm.metrics import VTokenMetrics
-from vtoken.integrations.vllm.payload import StepPayload
+from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.state import RequestState, VTokenStats, cdiv
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
 from vtoken.repack import NaiveEvictCounter
 from vtoken.pacing import Candidate, plan_pressure_evictions
+from vtoken.protocol import CountTable, evictable
 from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_stats
 from vtoken.token_table import TokenTable
 
@@ -96,9 +97,14 @@ class VTokenSchedulerMixin:
         self._vt_bs: int = mgr.block_size
         #: vLLM prefix caching on (the user's choice; vToken keeps it): see _vt_prefix_rule
         self._vt_caching: bool = bool(self.kv_cache_manager.enable_caching)
-        self._vt_lag = SCORE_LAG_ASYNC if isinstance(self, AsyncScheduler) else SCORE_LAG_SYNC
+        #: decide_on: worker: this scheduler computes only how many tokens each request evicts
+        #: (counts, CountTable); the worker picks which (docs/device-decisions.md)
+        self._vt_worker: bool = self.vt_cfg.decide_on == "worker"
+        self._vt_lag = SCORE_LAG_ASYNC if isinstance(self, AsyncScheduler) and not self._vt_worker else SCORE_LAG_SYNC
         self._vt_req_cfg: dict[str, Optional[VTokenConfig]] = {}
         self._vt_offset_updates: dict[str, int] = {}
+        #: decide_on: worker: states made in this schedule() (announced to the worker on the payload)
+        self._vt_new_states: dict[str, RequestState] = {}
         self._vt_policy_cache: dict[tuple, EvictionPolicy] = {}
         self.vt_stats = VTokenStats()
         self._vt_metrics = VTokenMetrics.from_vllm_config(self.vllm_config)
@@ -187,7 +193,8 @@ class VTokenSchedulerMixin:
         pol = self._vt_policy(cfg, budget)
         st = RequestState(
             cfg=cfg, budget=budget, slack=cfg.resolved_slack(), policy=pol, pstate=pol.init_state(),
-            table=TokenTable(self._vt_bs), naive=NaiveEvictCounter(self._vt_bs), prompt_len=prompt_len,
+            table=CountTable(self._vt_bs) if self._vt_worker else TokenTable(self._vt_bs),
+            naive=NaiveEvictCounter(self._vt_bs), prompt_len=prompt_len,
             lag=ScoreLagQueue(self._vt_lag), first_evict=first_evicting_decode_step(pol.needs, self._vt_lag),
         )
         st.may_evict = self._vt_may_evict(cfg, request)
@@ -203,6 +210,8 @@ class VTokenSchedulerMixin:
             bs = self._vt_bs
             st.protected = max(self._vt_prompt_protected(cfg, request), hit // bs * bs)
         self._vt_states[rid] = st
+        if self._vt_worker:
+            self._vt_new_states[rid] = st
         return st
 
     def _vt_pressure_plan(self, eligible: list[tuple[int, Any, RequestState]]) -> dict[str, int]:
@@ -280,11 +289,12 @@ class VTokenSchedulerMixin:
             rid = req.request_id
             if self._vt_done_in_flight(req):
                 continue  # async: its last token is in flight; it will not be scheduled again
-            try:
-                self._vt_fold_scores(st, st.steps)
-            except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
-                self._vt_fault(rid, st, e)
-                continue
+            if not self._vt_worker:
+                try:
+                    self._vt_fold_scores(st, st.steps)
+                except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
+                    self._vt_fault(rid, st, e)
+                    continue
             if st.decode_steps + 1 >= st.first_evict:
                 eligible.append((order, req, st))
         if self.vt_cfg.pacing == "pressure":
@@ -297,14 +307,20 @@ class VTokenSchedulerMixin:
                 continue
             try:
                 st.evict_log.append((st.decode_steps + 1, k))
-                self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by)
+                if self._vt_worker:
+                    self._vt_evict_count(req.request_id, st, k, payload, move_by)
+                else:
+                    self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by)
             except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
                 self._vt_fault(req.request_id, st, e)
         self.vt_stats.repack_seconds += time.perf_counter() - t0
 
         out = super().schedule(*args, **kwargs)
 
-        self._vt_collect_moves(payload, srcs, dsts, move_by)
+        if self._vt_worker:
+            self._vt_collect_counts(payload, move_by)
+        else:
+            self._vt_collect_moves(payload, srcs, dsts, move_by)
 
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -315,6 +331,10 @@ class VTokenSchedulerMixin:
         if self._vt_offset_updates:
             payload.offsets = self._vt_offset_updates
             self._vt_offset_updates = {}
+        if self._vt_new_states:
+            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected)
+                              for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
+            self._vt_new_states = {}
         out.vtoken = None if payload.is_empty() else payload
         self._vt_update_gauges()
         self._vt_metrics.update(self.vt_stats)
@@ -357,6 +377,50 @@ class VTokenSchedulerMixin:
             payload.src = np.concatenate(keep_src)
             payload.dst = np.concatenate(keep_dst)
 
+    def _vt_collect_counts(self, payload: StepPayload, move_by: list[tuple[str, RequestState, int]]) -> None:
+        """``decide_on: worker``: drop the eviction of a request that the stock ``schedule()``
+        preempted after it was planned (its blocks are back in the pool; its state was dropped
+        and it restarts from its prompt, so the worker must not touch its old slots)."""
+        for rid, st, gen in move_by:
+            if self._vt_states.get(rid) is not st or st.generation != gen:
+                self.vt_stats.moves_dropped_preempted += payload.evict.pop(rid, 0)
+                payload.truncate.pop(rid, None)
+                payload.kept_blocks.pop(rid, None)
+
+    def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload,
+                        move_by: list[tuple[str, RequestState, int]]) -> None:
+        """``decide_on: worker``: evict ``k`` tokens of ``rid`` in counts; the worker picks which.
+
+        ``k`` is capped at the tokens no protection covers (:func:`vtoken.protocol.evictable`),
+        which is what the worker's selection evicts; the request's tail blocks past
+        ``cdiv(live + 1, B)`` go back to the pool now, as under ``decide_on: scheduler``.
+        """
+        table = st.table
+        pol = st.policy
+        k = min(k, evictable(table.num_live, table.num_logical, pol.sink_tokens, pol.recent_tokens, st.protected))
+        if k <= 0:
+            return
+        table.evict(k)
+        payload.evict[rid] = k
+        move_by.append((rid, st, st.generation))
+        blocks = self._vt_mgr.req_to_blocks[rid]
+        keep = min(len(blocks), self._vt_accounting.target_blocks(st, upcoming=1))
+        freed = len(blocks) - keep
+        if freed > 0:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+            if self._vt_check:
+                self._vt_freed_this_step.extend(b.block_id for b in tail)
+            payload.truncate[rid] = keep
+            payload.kept_blocks[rid] = [b.block_id for b in blocks]
+        self._vt_offset_updates[rid] = table.offset
+        st.evicted += k
+        s = self.vt_stats
+        s.evicted_tokens += k
+        s.freed_blocks += freed
+        s.evictions += 1
+
     def _vt_after_scheduled(self, req, st: RequestState, n: int, payload: StepPayload) -> None:
         """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end.
 
@@ -384,7 +448,8 @@ class VTokenSchedulerMixin:
         old = st.table.num_live
         st.table.append(n - r)
         st.naive.append(n - r)
-        st.pstate.reset_slots(old, old + n - r)
+        if not self._vt_worker:
+            st.pstate.reset_slots(old, old + n - r)
         # Every token now has KV once this step ran: the step samples, the (re-)prefill is done.
         # (Under async scheduling num_computed_tokens already counts the in-flight placeholders.)
         samples = req.num_computed_tokens >= req.num_tokens
@@ -399,8 +464,9 @@ class VTokenSchedulerMixin:
             not st.decoding or st.decode_steps % st.cfg.score_every == 0
         ):
             payload.scores[rid] = st.policy.needs.value
-            payload.score_steps[rid] = (st.generation, st.steps)
-            st.lag.expect(st.steps, st.table.logical_pos[: st.table.num_live - st.refill], sampled=samples)
+            if not self._vt_worker:
+                payload.score_steps[rid] = (st.generation, st.steps)
+                st.lag.expect(st.steps, st.table.logical_pos[: st.table.num_live - st.refill], sampled=samples)
         st.decoding |= samples
         naive_b = max(st.naive.num_retained_blocks, cdiv(st.table.num_live, self._vt_bs))
         full_b = cdiv(st.table.num_logical, self._vt_bs)
@@ -520,7 +586,8 @@ class VTokenSchedulerMixin:
         if self._vt_caching and rid in self._vt_accounting.cache_cap:
             self._vt_cache_clean_prefix(request)
         super()._free_request_blocks(request)
-        if st is not None and not request.is_finished() and st.cfg.mode == "vtoken" and (st.decoding or st.resuming):
+        if (st is not None and not request.is_finished() and st.cfg.mode == "vtoken" and (st.decoding or st.resuming)
+                and not self._vt_worker):
             # Preempted while decoding: keep the token table; resume with the live tokens only.
             st.prepare_resume()
             self.vt_stats.preemption_resets += 1
@@ -606,7 +673,7 @@ class VTokenSchedulerMixin:
                     num_logical=st.table.num_logical,
                     blocks=len(self._vt_mgr.req_to_blocks.get(rid, ())),
                     naive_blocks=st.naive.num_retained_blocks,
-                    logical_pos=st.table.logical_pos.tolist(),
+                    logical_pos=None if self._vt_worker else st.table.logical_pos.tolist(),
                 )
                 for rid, st in self._vt_states.items()
             },

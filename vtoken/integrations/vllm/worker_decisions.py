@@ -1,0 +1,207 @@
+"""``decide_on: worker``: the worker picks the victims (``docs/device-decisions.md``).
+
+The scheduler sends, per step, how many tokens each request evicts (``StepPayload.evict``)
+and, when it makes a request's state, the request's policy and protections
+(``StepPayload.states``). :class:`WorkerDecisions`, owned by the runner-neutral
+:class:`~vtoken.integrations.vllm.worker_core.VTokenWorkerCore`, keeps what the choice
+needs on the worker, next to the KV cache:
+
+* one :class:`~vtoken.decider.DeviceDecider` per policy (requests grouped by policy class and
+  policy arguments; protections are per request), whose side cache holds each token's logical
+  position and policy state, paged like the KV cache;
+* its own copy of each tracked request's block ids, kept from the ``SchedulerOutput`` every
+  runner receives (new requests' ``block_ids``, cached requests' ``new_block_ids``, the
+  payload's truncations), so it works the same under the V1 runner and Model Runner V2.
+
+Per step, before any KV write (:meth:`begin`): forget finished and preempted requests, start
+the new ones, evict (select, plan, move the side cache) and return the global slot moves the
+caller applies to every layer's K/V, truncate, take this step's block ids, append this step's
+tokens. After the forward (:meth:`fold`): the step's attention statistics (already summed over
+the TP group) are folded into the side cache; nothing goes back to the scheduler. Every TP rank
+runs the same deterministic selection on the same statistics, so all ranks hold the same tables.
+
+A preempted request's state is dropped here as in the scheduler: it restarts from its prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from vtoken.decider import DeviceDecider
+from vtoken.integrations.vllm.payload import ScoreMap, StepPayload, WorkerSpec
+from vtoken.policies.base import AttentionNeed
+
+__all__ = ["WorkerDecisions"]
+
+
+class _Group:
+    """The requests of one policy: a decider, request rows, and the block ids of each row."""
+
+    def __init__(self, policy, num_slots: int, block_size: int, device):
+        self.policy = policy
+        self.dec = DeviceDecider(policy, num_slots, block_size, max_requests=16, device=device)
+        self.free: list[int] = list(range(15, -1, -1))
+        self.bt = np.zeros((16, 16), dtype=np.int64)  # row -> block ids (a prefix of nblocks[row])
+        self.nblocks = np.zeros(16, dtype=np.int64)
+
+    def add(self) -> int:
+        if not self.free:
+            n = self.bt.shape[0]
+            self.dec.ensure_rows(2 * n)
+            self.bt = np.concatenate([self.bt, np.zeros_like(self.bt)])
+            self.nblocks = np.concatenate([self.nblocks, np.zeros_like(self.nblocks)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        row = self.free.pop()
+        self.nblocks[row] = 0
+        self.dec.reset(torch.tensor([row], device=self.dec.live.device))
+        return row
+
+    def set_blocks(self, row: int, ids: list[int], append: bool) -> None:
+        start = int(self.nblocks[row]) if append else 0
+        end = start + len(ids)
+        if end > self.bt.shape[1]:
+            grown = np.zeros((self.bt.shape[0], max(end, 2 * self.bt.shape[1])), dtype=np.int64)
+            grown[:, : self.bt.shape[1]] = self.bt
+            self.bt = grown
+        self.bt[row, start:end] = ids
+        self.nblocks[row] = end
+
+    def table(self, rows: list[int]) -> torch.Tensor:
+        return torch.from_numpy(self.bt[rows]).to(self.dec.live.device)
+
+
+class WorkerDecisions:
+    """The worker's side of ``decide_on: worker`` (module docstring).
+
+    Args:
+        num_blocks, block_size: the KV cache's pool (the side caches shadow every slot).
+        device: the KV cache's device.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str):
+        self.block_size = int(block_size)
+        self.num_slots = int(num_blocks) * self.block_size
+        self.device = device
+        self.groups: dict[str, _Group] = {}
+        self.where: dict[str, tuple[_Group, int, WorkerSpec]] = {}  # req_id -> (group, row, spec)
+
+    @staticmethod
+    def _key(policy) -> str:
+        return repr(dataclasses.replace(policy, sink_tokens=0, recent_tokens=0))
+
+    def bytes_per_token(self) -> int:
+        """Side-cache bytes per KV slot over every policy group so far."""
+        return sum(g.dec.side.bytes_per_token for g in self.groups.values())
+
+    def _drop(self, rid: str) -> None:
+        got = self.where.pop(rid, None)
+        if got is not None:
+            got[0].free.append(got[1])
+
+    def begin(self, scheduler_output: Any, payload: Optional[StepPayload]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Everything before the step's forward (module docstring).
+
+        Returns:
+            ``(src, dst)``, int64 global slot ids of the step's K/V moves (every group), or None.
+        """
+        for rid in scheduler_output.finished_req_ids:
+            self._drop(rid)
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._drop(rid)
+        if payload is None:
+            payload = StepPayload()
+        for rid, spec in payload.states.items():
+            self._drop(rid)
+            key = self._key(spec.policy)
+            g = self.groups.get(key)
+            if g is None:
+                g = self.groups[key] = _Group(spec.policy, self.num_slots, self.block_size, self.device)
+            self.where[rid] = (g, g.add(), spec)
+        moves = self._evict(payload.evict) if payload.evict else None
+        for rid, keep in payload.truncate.items():
+            got = self.where.get(rid)
+            if got is not None:
+                got[0].nblocks[got[1]] = min(keep, int(got[0].nblocks[got[1]]))
+        self._take_block_ids(scheduler_output)
+        self._append(scheduler_output.num_scheduled_tokens)
+        return moves
+
+    def _by_group(self, rids) -> dict[int, tuple[_Group, list[int], list[str]]]:
+        out: dict[int, tuple[_Group, list[int], list[str]]] = {}
+        for rid in rids:
+            got = self.where.get(rid)
+            if got is None:
+                continue
+            g, row, _ = got
+            e = out.setdefault(id(g), (g, [], []))
+            e[1].append(row)
+            e[2].append(rid)
+        return out
+
+    def _evict(self, evict: dict[str, int]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        srcs, dsts = [], []
+        for g, rows, rids in self._by_group(evict).values():
+            dev = g.dec.live.device
+            spec = [self.where[r][2] for r in rids]
+            ev = g.dec.evict(torch.tensor(rows, device=dev), g.table(rows),
+                             torch.tensor([evict[r] for r in rids], device=dev),
+                             sink_tokens=torch.tensor([s.sink_tokens for s in spec], device=dev),
+                             recent_tokens=torch.tensor([s.recent_tokens for s in spec], device=dev),
+                             protected_prefix=torch.tensor([s.protected_prefix for s in spec], device=dev))
+            srcs.append(ev.src)
+            dsts.append(ev.dst)
+        if not srcs:
+            return None
+        return torch.cat(srcs), torch.cat(dsts)
+
+    def _take_block_ids(self, so: Any) -> None:
+        for nr in so.scheduled_new_reqs:
+            got = self.where.get(nr.req_id)
+            if got is not None:
+                got[0].set_blocks(got[1], list(nr.block_ids[0]), append=False)
+        cr = so.scheduled_cached_reqs
+        resumed = cr.resumed_req_ids
+        for rid, ids in zip(cr.req_ids, cr.new_block_ids):
+            got = self.where.get(rid)
+            if got is None or ids is None:
+                continue
+            got[0].set_blocks(got[1], list(ids[0]), append=rid not in resumed)
+
+    def _append(self, num_scheduled: dict[str, int]) -> None:
+        for g, rows, rids in self._by_group(num_scheduled).values():
+            dev = g.dec.live.device
+            g.dec.append(torch.tensor(rows, device=dev), g.table(rows),
+                         torch.tensor([num_scheduled[r] for r in rids], device=dev))
+
+    def fold(self, scores: Optional[ScoreMap]) -> None:
+        """Fold the step's statistics (req_id -> (col_sum, last_row), float64 ``[live]``) into
+        the side caches; rows with and without a last row (a non-final prefill chunk) apart."""
+        if not scores:
+            return
+        for g, rows, rids in self._by_group(scores).values():
+            use_col = bool(g.policy.needs & AttentionNeed.COL_SUM)
+            use_last = bool(g.policy.needs & AttentionNeed.LAST_ROW)
+            parts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+            for row, rid in zip(rows, rids):
+                parts[use_last and scores[rid][1] is not None].append((row, rid))
+            for with_last, part in parts.items():
+                if not part or not (use_col or with_last):
+                    continue
+                width = max(len(next(a for a in scores[rid] if a is not None)) for _, rid in part)
+                col = np.zeros((len(part), width)) if use_col else None
+                last = np.zeros((len(part), width)) if with_last else None
+                for i, (_, rid) in enumerate(part):
+                    c, lr = scores[rid]
+                    if col is not None:
+                        col[i, : len(c)] = c
+                    if last is not None:
+                        last[i, : len(lr)] = lr
+                dev = g.dec.live.device
+                prow = [row for row, _ in part]
+                g.dec.observe(torch.tensor(prow, device=dev), g.table(prow),
+                              None if col is None else torch.from_numpy(col).to(dev),
+                              None if last is None else torch.from_numpy(last).to(dev))

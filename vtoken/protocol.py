@@ -1,0 +1,96 @@
+"""The eviction protocol in counts: what the scheduler needs to say "how many" without tokens.
+
+Under ``decide_on: worker`` (``docs/device-decisions.md``) the scheduler never sees a token's
+score or logical position. Per request and step it works from integers only:
+
+* :func:`num_to_evict` (``vtoken.config``) or pressure pacing (``vtoken.pacing``) asks for
+  ``k`` tokens;
+* :func:`evictable` caps ``k`` at the live tokens no protection covers, which is exactly the
+  number the worker's selection (:func:`vtoken.select.select_victims`, the rules of
+  :meth:`vtoken.policies.base.EvictionPolicy.select_victims`) then evicts;
+* :class:`CountTable` keeps the live and logical counts the block accounting needs
+  (``cdiv(live, B)`` blocks); the worker keeps the token table itself, in its side cache
+  (:class:`vtoken.decider.SideCache`).
+
+This module never imports vllm.
+"""
+
+from __future__ import annotations
+
+from vtoken.repack import _check_block_size, cdiv
+
+__all__ = ["CountTable", "evictable"]
+
+
+def evictable(num_live: int, num_logical: int, sink_tokens: int, recent_tokens: int, protected_prefix: int) -> int:
+    """Live tokens that no protection covers (the most a policy can evict now).
+
+    Protected: the logical positions below ``max(sink_tokens, protected_prefix)`` and the
+    ``recent_tokens`` largest live positions (:func:`vtoken.select.protected_mask`). Positions
+    below the first bound are never evicted, so all ``P = min(bound, num_logical)`` of them are
+    live; they are the smallest live positions, so the recent window overlaps them only when
+    fewer than ``recent_tokens`` other tokens are live.
+
+    >>> evictable(10, 30, 2, 3, 0), evictable(10, 30, 0, 0, 4), evictable(4, 4, 2, 5, 0)
+    (5, 6, 0)
+    """
+    p = min(max(sink_tokens, protected_prefix), num_logical, num_live)
+    return max(0, num_live - p - min(recent_tokens, num_live - p))
+
+
+class CountTable:
+    """A request's token table in counts only: the scheduler's view under ``decide_on: worker``.
+
+    The counts equal :class:`vtoken.token_table.TokenTable`'s for the same appends and
+    evictions; which slots hold which positions is the worker's business.
+
+    Attributes:
+        block_size: B, tokens per block.
+        num_live: live tokens (the request's physical length in slots).
+        num_logical: tokens ever appended (the next token's logical position).
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = _check_block_size(block_size)
+        self.num_live = 0
+        self.num_logical = 0
+
+    @property
+    def offset(self) -> int:
+        """``num_logical - num_live``: tokens evicted so far."""
+        return self.num_logical - self.num_live
+
+    def num_blocks(self) -> int:
+        """Blocks the live tokens fill: ``cdiv(num_live, block_size)``."""
+        return cdiv(self.num_live, self.block_size)
+
+    def append(self, n: int) -> None:
+        """Append ``n >= 0`` tokens.
+
+        Raises:
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError(f"append: n = {n}; allowed: >= 0")
+        self.num_live += n
+        self.num_logical += n
+
+    def evict(self, k: int) -> None:
+        """Evict ``k`` live tokens (``0 <= k <= num_live``).
+
+        Raises:
+            ValueError: ``k`` out of range.
+        """
+        if not 0 <= k <= self.num_live:
+            raise ValueError(f"evict: k = {k}; allowed: 0..{self.num_live} (the live tokens)")
+        self.num_live -= k
+
+    def reset(self) -> None:
+        self.num_live = self.num_logical = 0
+
+    def check_invariants(self) -> None:
+        """Raises ``AssertionError`` unless ``0 <= num_live <= num_logical``."""
+        assert 0 <= self.num_live <= self.num_logical, f"counts: live {self.num_live}, logical {self.num_logical}"
+
+    def __repr__(self) -> str:
+        return f"CountTable(block_size={self.block_size}, num_live={self.num_live}, num_logical={self.num_logical})"
