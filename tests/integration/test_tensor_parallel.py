@@ -66,10 +66,10 @@ def _requests() -> list[dict]:
     return reqs
 
 
-def _engine(model: str, tp: int) -> dict:
+def _engine(model: str, tp: int, **kw) -> dict:
     return dict(model=model, dtype="float32", max_model_len=512, block_size=32, enforce_eager=True,
                 gpu_memory_utilization=0.1, num_gpu_blocks_override=256, skip_tokenizer_init=True,
-                tensor_parallel_size=tp)
+                tensor_parallel_size=tp, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def tiny() -> str:
     return str(ensure_tiny_model())
 
 
-def _run(tiny: str, vt: dict, path: str, hook_dir: Path | None = None) -> dict:
+def _run(tiny: str, vt: dict, path: str, hook_dir: Path | None = None, **engine_kw) -> dict:
     env = dict(path_env(path), **TP_ENV)
     if hook_dir is not None:
         hook_dir.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,8 @@ def _run(tiny: str, vt: dict, path: str, hook_dir: Path | None = None) -> dict:
     # to the workers, which is when the test hook saves their keys
     flush = dict(id="flush", prompt_token_ids=_prompt(99, 5), max_tokens=2, arrive_at_step=NEW_TOKENS + 4,
                  extra_args={"vtoken_enable": False})
-    return run_in_subprocess(dict(engine=_engine(tiny, 2), vtoken=vt, requests=_requests() + [flush]), env=env)
+    return run_in_subprocess(dict(engine=_engine(tiny, 2, **engine_kw), vtoken=vt, requests=_requests() + [flush]),
+                             env=env)
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +222,20 @@ def test_tp2_mrv2_async(tiny):
     assert out["paths"]["use_v2_model_runner"] and out["paths"]["async_scheduling"] and out["paths"]["batch_queue"] == 2
     assert out["vtoken"]["stats"]["evicted_tokens"] > 0 and out["vtoken"]["stats"]["request_faults"] == 0
     assert not _mismatches(tiny, out, SCORE_LAG["mrv2-async"])
+
+
+def test_tp2_worker_decisions_every_rank_decides_the_same(tiny, tmp_path):
+    """``decide_on: worker``: each rank picks the victims itself from the all-reduced statistics.
+    The tokens equal the oracle with no score lag, and rank 1's live keys equal rank 0's bit for
+    bit, so both ranks made the same moves (the same token tables)."""
+    out = _run(tiny, dict(BASE_VTOKEN, decide_on="worker"), "v1-sync", tmp_path / "hook", enable_prefix_caching=False)
+    assert out["vtoken"]["stats"]["evicted_tokens"] > 0 and out["vtoken"]["stats"]["request_faults"] == 0
+    assert not _mismatches(tiny, out, 0)
+    for r in _requests():
+        f0 = glob.glob(str(tmp_path / "hook" / f"kv-rank0-{r['id']}-*.npy"))
+        f1 = glob.glob(str(tmp_path / "hook" / f"kv-rank1-{r['id']}-*.npy"))
+        assert len(f0) == len(f1) == 1, (r["id"], f0, f1)
+        np.testing.assert_array_equal(np.load(f1[0]), np.load(f0[0]), err_msg=r["id"])
 
 
 # ---------------------------------------------------------------------- refusals

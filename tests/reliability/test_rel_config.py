@@ -71,8 +71,16 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     "pipeline_parallel_2": ({"pipeline_parallel_size": 2}, None, ["--pipeline-parallel-size = 2", "does not support"]),
     "kv_cache_fp8": ({"kv_cache_dtype": "fp8"}, None, ["--kv-cache-dtype = 'fp8'", "does not support",
                                                         "fp32/bf16/fp16"]),
+    # decide_on: worker, with what it does not cover yet (refused by name, never silently switched)
+    "decide_on_bad": ({}, {"decide_on": "gpu"}, ["vtoken.decide_on", "'gpu'", "'scheduler' or 'worker'"]),
+    "worker_naive": ({}, {"decide_on": "worker", "mode": "naive"},
+                     ["vtoken.decide_on = 'worker'", "does not support", "vtoken.mode = 'naive'"]),
+    "worker_prefix_caching": ({"enable_prefix_caching": True}, {"decide_on": "worker"},
+                              ["vtoken.decide_on = 'worker'", "does not support", "prefix caching on",
+                               "--no-enable-prefix-caching"]),
 }
-OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None)}
+OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None),
+            "worker": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64})}
 
 
 def _engine(model: str, extra: dict, vt) -> dict:

@@ -99,6 +99,22 @@ class VTokenFullAttentionManager(FullAttentionManager):
         super().cache_blocks(request, num_tokens, replay_boundaries=())
         return self.num_cached_block.get(request.request_id, 0) - before
 
+    def vt_free_tail(self, request_id: str, keep: int) -> list:
+        """Hand the request's blocks past its first ``keep`` back to vLLM's block pool (an
+        eviction emptied them); the only place vToken edits ``req_to_blocks``.
+
+        Returns:
+            the freed ``KVCacheBlock`` s (tail first), empty when it holds ``<= keep`` blocks.
+        """
+        blocks = self.req_to_blocks[request_id]
+        if len(blocks) <= keep:
+            return []
+        tail = blocks[keep:]
+        del blocks[keep:]
+        tail.reverse()  # the pool's free order: the tail end first
+        self.block_pool.free_blocks(tail)
+        return tail
+
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                    num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
         d = self._vt_accounting.delta(request_id, num_tokens)

@@ -103,11 +103,11 @@ def _wrap_create_engine_config() -> None:
         setup_prometheus_bridge()
         logger.info(
             "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s "
-            "model_runner=%s scheduling=%s",
+            "model_runner=%s scheduling=%s decide_on=%s",
             cfg.mode, cfg.policy, cfg.budget,
             f" (ratio {cfg.budget_ratio})" if cfg.budget_ratio else "",
             cfg.resolved_slack(), cfg.protections(), vcfg.cache_config.block_size,
-            "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync",
+            "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync", cfg.decide_on,
         )
         return vcfg
 

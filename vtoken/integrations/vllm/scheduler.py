@@ -377,6 +377,19 @@ class VTokenSchedulerMixin:
             payload.src = np.concatenate(keep_src)
             payload.dst = np.concatenate(keep_dst)
 
+    def _vt_free_tail(self, rid: str, st: RequestState, payload: StepPayload) -> int:
+        """After an eviction: the KV manager frees the request's blocks past what it must keep
+        (``cdiv(live + 1, B)``, or Naive-Evict's count); the payload tells the workers. Returns
+        the number of blocks freed."""
+        keep = self._vt_accounting.target_blocks(st, upcoming=1)
+        tail = self._vt_mgr.vt_free_tail(rid, keep)
+        if tail:
+            if self._vt_check:
+                self._vt_freed_this_step.extend(b.block_id for b in tail)
+            payload.truncate[rid] = keep
+            payload.kept_blocks[rid] = [b.block_id for b in self._vt_mgr.req_to_blocks[rid]]
+        return len(tail)
+
     def _vt_collect_counts(self, payload: StepPayload, move_by: list[tuple[str, RequestState, int]]) -> None:
         """``decide_on: worker``: drop the eviction of a request that the stock ``schedule()``
         preempted after it was planned (its blocks are back in the pool; its state was dropped
@@ -403,17 +416,7 @@ class VTokenSchedulerMixin:
         table.evict(k)
         payload.evict[rid] = k
         move_by.append((rid, st, st.generation))
-        blocks = self._vt_mgr.req_to_blocks[rid]
-        keep = min(len(blocks), self._vt_accounting.target_blocks(st, upcoming=1))
-        freed = len(blocks) - keep
-        if freed > 0:
-            tail = blocks[keep:]
-            del blocks[keep:]
-            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
-            if self._vt_check:
-                self._vt_freed_this_step.extend(b.block_id for b in tail)
-            payload.truncate[rid] = keep
-            payload.kept_blocks[rid] = [b.block_id for b in blocks]
+        freed = self._vt_free_tail(rid, st, payload)
         self._vt_offset_updates[rid] = table.offset
         st.evicted += k
         s = self.vt_stats
@@ -528,16 +531,7 @@ class VTokenSchedulerMixin:
             if self._vt_check:
                 for i in np.unique(plan.dst // bs).tolist():
                     self._vt_move_owners[int(ids[i])] = (rid, int(i), st.protected, st.clean_len)
-        keep = min(len(blocks), self._vt_accounting.target_blocks(st, upcoming=1))
-        freed = len(blocks) - keep
-        if freed > 0:
-            tail = blocks[keep:]
-            del blocks[keep:]
-            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
-            if self._vt_check:
-                self._vt_freed_this_step.extend(b.block_id for b in tail)
-            payload.truncate[rid] = keep
-            payload.kept_blocks[rid] = [b.block_id for b in blocks]
+        freed = self._vt_free_tail(rid, st, payload)
         self._vt_offset_updates[rid] = table.offset
         st.evicted += len(victims)
         st.moved += plan.num_moves

@@ -139,8 +139,10 @@ class VTokenWorkerCore:
         ``scheduler_output`` for the step's block ids and token counts).
         """
         if payload is not None and payload.states and self.decisions is None:
-            kv, _ = self.kv_caches()[0]  # every layout's view: [num_blocks, H, block_size, 2*hd]
-            self.decisions = WorkerDecisions(kv.shape[0], kv.shape[2], kv.device)
+            caches = self.kv_caches()
+            kv = caches[0][0]  # every layout's view: [num_blocks, H, block_size, 2*hd]
+            self.decisions = WorkerDecisions(kv.shape[0], kv.shape[2], kv.device,
+                                             kv_bytes=sum(t.numel() * t.element_size() for t, _ in caches))
         if self.decisions is not None and scheduler_output is not None:
             moves = self.decisions.begin(scheduler_output, payload)
             if moves is not None and moves[0].numel():

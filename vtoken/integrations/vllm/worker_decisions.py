@@ -26,6 +26,7 @@ A preempted request's state is dropped here as in the scheduler: it restarts fro
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional
 
 import numpy as np
@@ -36,6 +37,8 @@ from vtoken.integrations.vllm.payload import ScoreMap, StepPayload, WorkerSpec
 from vtoken.policies.base import AttentionNeed
 
 __all__ = ["WorkerDecisions"]
+
+logger = logging.getLogger("vllm.vtoken")
 
 
 class _Group:
@@ -80,9 +83,16 @@ class WorkerDecisions:
     Args:
         num_blocks, block_size: the KV cache's pool (the side caches shadow every slot).
         device: the KV cache's device.
+        kv_bytes: bytes of this worker's KV cache (all layers), for the side-cache log line.
+
+    Memory: each policy group's side cache holds ``bytes_per_token`` per KV slot (8 for the
+    logical position, plus the policy's state: 8 for H2O or TOVA, ``window`` for Scissorhands),
+    allocated on the first request of that policy and logged with its share of the KV cache. It
+    is not yet taken out of the KV pool's sizing (``docs/device-decisions.md``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str):
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str, kv_bytes: int = 0):
+        self.kv_bytes = int(kv_bytes)
         self.block_size = int(block_size)
         self.num_slots = int(num_blocks) * self.block_size
         self.device = device
@@ -120,6 +130,10 @@ class WorkerDecisions:
             g = self.groups.get(key)
             if g is None:
                 g = self.groups[key] = _Group(spec.policy, self.num_slots, self.block_size, self.device)
+                b = g.dec.side.bytes_per_token
+                logger.info("vToken: worker-side decisions for %s: side cache %d bytes per token, %.1f MiB "
+                            "(%.2f%% of the KV cache)", key, b, b * self.num_slots / 2**20,
+                            100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
             self.where[rid] = (g, g.add(), spec)
         moves = self._evict(payload.evict) if payload.evict else None
         for rid, keep in payload.truncate.items():
