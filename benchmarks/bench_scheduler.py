@@ -1,8 +1,10 @@
 """Host-side (scheduler) cost per decode step of vToken vs stock vLLM at GPU scale, without a model.
 
 Run:  .venv/bin/python benchmarks/bench_scheduler.py [--quick] [--requests 32 128 256 512]
-          [--live 512 2048 8192] [--steps 30] [--warmup 5] [--arms stock h2o random] [--out PATH]
-          [--profile h2o:256:2048] [--replot benchmarks/results/bench_scheduler.json]
+          [--live 512 2048 8192] [--steps 30] [--warmup 5]
+          [--arms stock h2o random h2o-worker random-worker] [--out PATH] [--select-reps 10]
+          [--select-threads 1] [--no-select] [--profile h2o-worker:256:2048]
+          [--replot benchmarks/results/bench_scheduler.json]
 
 What is measured. vLLM's real V1 ``Scheduler`` (``vllm.v1.core.sched.scheduler.Scheduler``, sync
 scheduling) and vToken's ``VTokenScheduler`` (its subclass, settings from
@@ -10,13 +12,18 @@ scheduling) and vToken's ``VTokenScheduler`` (its subclass, settings from
 ``schedule()`` a fake ``ModelRunnerOutput`` is built whose ``req_ids``/``req_id_to_index`` follow
 ``num_scheduled_tokens`` and whose ``sampled_token_ids`` give one token to every request whose
 prefill is complete (an empty list for a partial prefill chunk), then ``update_from_output()``
-runs. For vToken's scoring policies the output also carries ``vtoken_scores`` (req_id ->
-(col_sum, last_row)) for every request in ``SchedulerOutput.vtoken.score_steps``: float64 arrays
-of the request's live-token count at the scored step, drawn from a seeded
-``numpy.random.Generator``; each array is present only when the step asked for it
-(``payload.scores[rid]``'s ``AttentionNeed`` bits, as the real worker does: H2O asks for
-``col_sum`` only). The arrays are drawn *between* ``schedule()`` and ``update_from_output()``,
-outside both timers: their generation is not timed.
+runs. For vToken's scoring policies under ``decide_on: scheduler`` the output also carries
+``vtoken_scores`` (req_id -> (col_sum, last_row)) for every request in
+``SchedulerOutput.vtoken.score_steps``: float64 arrays of the request's live-token count at the
+scored step, drawn from a seeded ``numpy.random.Generator``; each array is present only when the
+step asked for it (``payload.scores[rid]``'s ``AttentionNeed`` bits, as the real worker does: H2O
+asks for ``col_sum`` only). The arrays are drawn *between* ``schedule()`` and
+``update_from_output()``, outside both timers: their generation is not timed. Under
+``decide_on: worker`` the scheduler never receives statistics (``score_steps`` stays empty, so
+no ``vtoken_scores`` are sent): it computes from counts only how many tokens ``k`` each request
+evicts (``vtoken.protocol``: a ``CountTable`` per request, ``evictable``), frees the tail
+blocks, and sends ``payload.evict = {req_id: k}`` (plus ``payload.states`` for new requests);
+the worker picks the victims.
 
 A cell is (running requests R, live tokens L): R requests with prompts of ``2 L`` tokens,
 ``max_tokens`` enough to outlast the run, ``ignore_eos``; vToken budget ``L`` with slack 0, so after
@@ -25,34 +32,60 @@ full-attention group) holds every request's full context, so nothing is ever pre
 ``max_num_seqs = R``; prefill runs in chunks of up to ``--chunk`` tokens per step (default
 2**19: 1 to 17 prefill steps in the default sweep) so warm-up is quick. Prefix caching is off,
 as in the other benchmarks. Arms: ``stock`` (vLLM's ``Scheduler``, no eviction), ``h2o`` and
-``random`` (``VTokenScheduler`` with that policy). All arms of a cell are built, prefilled and
-warmed up (``--warmup`` decode steps after the last prefill chunk), then their timed steps are
-interleaved round-robin (stock, h2o, random, stock, ...) so their timings are side by side. Per timed step: wall time of
-``schedule()`` and of ``update_from_output()`` (``time.perf_counter_ns``), and for vToken the
-part of ``schedule()`` spent before the stock ``schedule()`` (victim selection, token-table
-repack, block freeing: the scheduler's own ``vt_stats.repack_seconds``). The heap is
-``gc.freeze()``-d before the timed steps (vLLM's EngineCore freezes it after start-up); the
-collector stays on. Each timed step is checked: every request scheduled with exactly 1 token,
-and (vToken) exactly R evictions in the step.
+``random`` (``VTokenScheduler`` with that policy, ``decide_on: scheduler``: victims chosen per
+request in the scheduler), ``h2o-worker`` and ``random-worker`` (the same policies with
+``decide_on: worker``; labelled ``vT h2o@w`` / ``vT random@w``). All arms of a cell are built,
+prefilled and warmed up (``--warmup`` decode steps after the last prefill chunk), then their
+timed steps are interleaved round-robin (stock, h2o, random, h2o-worker, random-worker, stock,
+...) so their timings are side by side. Per timed step: wall time of ``schedule()`` and of
+``update_from_output()`` (``time.perf_counter_ns``), and for vToken the part of ``schedule()``
+spent before the stock ``schedule()`` (eviction: victim selection, token-table repack and block
+freeing, or under ``decide_on: worker`` the counts and block freeing; the scheduler's own
+``vt_stats.repack_seconds``). The heap is ``gc.freeze()``-d before the timed steps (vLLM's
+EngineCore freezes it after start-up); the collector stays on. Each timed step is checked: every
+request scheduled with exactly 1 token, and (vToken) exactly R evictions in the step; under
+``decide_on: worker`` also ``payload.evict == {rid: 1}`` for every request and no moves or score
+steps on the payload. The scheduler does not count moved tokens in that mode (the worker plans
+the moves): ``mean_moves_per_step`` is null for those arms.
 
-Worker side. When ``vtoken.select`` is importable, one call of ``select_victims`` +
-``plan_moves`` (the batched torch selection meant to replace the scheduler's per-request
-Python) is timed for R requests x N = L + 1 live tokens (the budget plus the token the last
-step appended), k = 1 per request, H2O's protections (no sinks, ``recent = L // 2``): random
-float64 scores and a random permutation of logical positions per row, made before the timer;
-median over ``--select-reps`` calls after 2 warm-up calls, on CPU torch tensors
+Worker side. The work ``decide_on: worker`` moves to the worker is timed per decode step for
+policies h2o and random (``WorkerStep`` / ``time_worker``): a ``vtoken.decider.DeviceDecider`` built
+as ``WorkerDecisions`` builds one (``VTokenConfig(policy=..., budget=L)``, ``make_policy()``,
+``protections()``: h2o no sinks and ``recent = L // 2``, random none), over a side cache of block
+size 32 in which each request has its own ``ceil((L+1)/32)`` blocks, holding R requests x
+``L + 1`` live tokens (the budget plus the token the last step appended); one step is
+``observe`` (h2o: ``col_sum`` float64 ``[R, L+1]``, made once before timing; random needs no
+statistics) + ``evict`` (k = 1 per request: select, plan, move the side cache) + ``append``
+(1 token per request), the calls' row/block-table/count/protection tensors made from host lists
+each step as ``WorkerDecisions`` does. Median (and min, max) ms over ``--select-reps`` steps
+(halved, at least 3, for cells above 2**21 tokens) after 2 warm-up steps, on CPU torch tensors
 (``--select-threads`` torch threads, default 1: on a shared 2-core machine two OpenMP threads
 cost ~300 ms a call in waits whatever the size), and on CUDA (``torch.cuda.synchronize()``
-around each call) when ``torch.cuda.is_available()``. If the module is missing, that part is
-skipped with a printed note.
+around each step) when ``torch.cuda.is_available()``. For the CPU timings glibc's mmap and
+trim thresholds are raised first (``tune_cpu_malloc``; ``--default-malloc`` keeps the
+defaults), so that the steps' big temporaries reuse heap memory as the CUDA caching allocator
+does instead of costing fresh zero pages every step (about 2/3 of a 512 x 8193 step otherwise);
+each CPU row records its minor page faults per step. **Not included**: the KV-cache move kernel
+that applies the step's slot moves to every layer's K/V (``vtoken.kernels.move``),
+``WorkerDecisions``' own bookkeeping (block-id copies from the ``SchedulerOutput``, grouping by
+policy) and packing the statistics into a batch. Also timed, alone, as before: one
+``select_victims`` + ``plan_moves`` call (``vtoken.select``) for R x (L + 1), k = 1, H2O's
+protections, on random float64 scores and a random permutation of logical positions per row.
+``--no-select`` skips the worker side; if ``vtoken.decider`` is missing it is skipped with a
+printed note.
 
-Outputs: a table (median ms per step: stock, vToken h2o, vToken random, ratios to stock,
-worker-side ms), ``benchmarks/results/bench_scheduler.json`` (or ``--out``: date, machine,
-command line, vLLM version, load average before and after, every cell's per-step statistics)
-and a plot next to it (same name, ``.png``): host ms per step vs running requests, one line per
-arm and live-token count, log-log. ``--profile ARM:R:L`` instead runs only that cell for that
-arm under cProfile (the timed steps only) and prints the top 15 functions by cumulative time;
-``--replot JSON`` only redraws the plot of a result file.
+Outputs: two tables (host ms per step for every arm with ratios to stock and the pre-schedule
+part of ``h2o``/``h2o-worker``; the worker side per policy and device, median (min-max), and the
+selection alone), ``benchmarks/results/bench_scheduler.json`` (or ``--out``: date, machine,
+command line, vLLM version, load average before and after, every cell's per-step statistics per
+arm; ``worker``: device -> rows with policy, num_requests, live, num_live, median/min/max ms,
+reps, threads, minor_faults_per_step; ``worker_cpu_malloc``: the allocator setting; ``select``:
+device -> rows of the selection alone) and a plot next to it (same name, ``.png``): one panel
+per live-token count, host ms per step vs running requests, one line per arm (worker-mode arms
+dashed, square/triangle markers) plus the worker side on CPU (dotted), log-log.
+``--profile ARM:R:L`` instead runs only that cell for that arm under cProfile (the timed steps
+only) and prints the top 15 functions by cumulative time; ``--replot JSON`` only redraws the
+plot of a result file.
 """
 
 from __future__ import annotations
@@ -81,7 +114,9 @@ if str(ROOT) not in sys.path:
 
 OUT = ROOT / "benchmarks" / "results" / "bench_scheduler.json"
 BLOCK_SIZE = 32
-ARMS = ("stock", "h2o", "random")
+ARMS = ("stock", "h2o", "random", "h2o-worker", "random-worker")
+WORKER_SUFFIX = "-worker"  # arm "<policy>-worker": that policy with decide_on: worker
+WORKER_POLICIES = ("h2o", "random")  # the worker-side timing's policies
 DEFAULT_REQUESTS = (32, 128, 256, 512)
 DEFAULT_LIVE = (512, 2048, 8192)
 QUICK_REQUESTS = (32, 256)
@@ -93,6 +128,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def arm_policy(arm: str) -> tuple[Optional[str], str]:
+    """``(policy, decide_on)`` of an arm: ``("h2o", "scheduler")`` for ``h2o``, ``("h2o", "worker")``
+    for ``h2o-worker``, ``(None, "")`` for ``stock``."""
+    if arm == "stock":
+        return None, ""
+    if arm.endswith(WORKER_SUFFIX):
+        return arm[: -len(WORKER_SUFFIX)], "worker"
+    return arm, "scheduler"
+
+
+def arm_label(arm: str) -> str:
+    """Table and plot label: ``stock``, ``vT h2o``, ``vT h2o@w`` (decide_on: worker)."""
+    policy, where = arm_policy(arm)
+    if policy is None:
+        return arm
+    return f"vT {policy}" + ("@w" if where == "worker" else "")
+
+
 # ------------------------------------------------------------------ building a scheduler
 def _tiny_model() -> str:
     from vtoken.assets.paths import ensure_tiny_model
@@ -102,8 +155,9 @@ def _tiny_model() -> str:
 
 def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: int, budget: int,
                    chunk: int, block_size: int = BLOCK_SIZE, model: Optional[str] = None):
-    """A V1 ``Scheduler`` (``arm == "stock"``) or ``VTokenScheduler`` (``arm`` = a vToken policy),
-    with a pool that holds every request's whole context (nothing is preempted)."""
+    """A V1 ``Scheduler`` (``arm == "stock"``) or ``VTokenScheduler`` (``arm`` = a vToken policy,
+    or ``<policy>-worker`` for that policy with ``decide_on: worker``), with a pool that holds
+    every request's whole context (nothing is preempted)."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -121,7 +175,12 @@ def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: 
                          max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
                          async_scheduling=False)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=False)
-    extra = {} if arm == "stock" else {"vtoken": {"policy": arm, "budget": budget, "slack": 0}}
+    policy, where = arm_policy(arm)
+    extra = {}
+    if policy is not None:
+        extra = {"vtoken": {"policy": policy, "budget": budget, "slack": 0}}
+        if where == "worker":
+            extra["vtoken"]["decide_on"] = "worker"
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, additional_config=extra)
     num_blocks = num_requests * cdiv(max_model_len, block_size) + 16
     vc.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling
@@ -153,7 +212,8 @@ def make_requests(num_requests: int, prompt_len: int, max_tokens: int, seed: int
 
 
 def _live_tokens(sched, rid: str) -> int:
-    """vToken's live-token count of ``rid`` right after ``schedule()`` (untimed helper)."""
+    """vToken's live-token count of ``rid`` right after ``schedule()`` (untimed helper); under
+    ``decide_on: worker`` the scheduler's ``CountTable`` keeps the same count."""
     st = getattr(sched, "_vt_states", {}).get(rid)
     if st is not None:
         return int(st.table.num_live)
@@ -167,6 +227,7 @@ class Driver:
                  model: Optional[str] = None):
         self.arm, self.R, self.live = arm, num_requests, live
         self.vtoken = arm != "stock"
+        self.worker = arm_policy(arm)[1] == "worker"  # decide_on: worker
         self.prompt_len = 2 * live
         self.sched = make_scheduler(arm, num_requests=num_requests, prompt_len=self.prompt_len,
                                     max_tokens=max_tokens, budget=live, chunk=chunk, model=model)
@@ -179,6 +240,7 @@ class Driver:
         self.update_ns: list[int] = []
         self.evict_ns: list[int] = []
         self.moves: list[int] = []
+        self.evicted: list[int] = []  # tokens evicted per timed step (the payload's counts / the stats)
         self.bad_steps: list[str] = []
 
     # -- fake worker
@@ -216,6 +278,7 @@ class Driver:
         stats = getattr(sched, "vt_stats", None)
         ev0 = stats.evictions if stats is not None else 0
         rs0 = stats.repack_seconds if stats is not None else 0.0
+        et0 = stats.evicted_tokens if stats is not None else 0
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
@@ -231,12 +294,24 @@ class Driver:
                 self.evict_ns.append(int(round((stats.repack_seconds - rs0) * 1e9)))
                 payload = getattr(out, "vtoken", None)
                 self.moves.append(payload.num_moves if payload is not None else 0)
+                self.evicted.append(sum(payload.evict.values()) if self.worker and payload is not None
+                                    else stats.evicted_tokens - et0)
             ok = len(out.num_scheduled_tokens) == self.R and all(n == 1 for n in out.num_scheduled_tokens.values())
             if not ok:
                 self.bad_steps.append(f"step {self.steps}: {len(out.num_scheduled_tokens)} requests scheduled, "
                                       f"tokens {sorted(set(out.num_scheduled_tokens.values()))}")
             if stats is not None and stats.evictions - ev0 != self.R:
                 self.bad_steps.append(f"step {self.steps}: {stats.evictions - ev0} evictions, expected {self.R}")
+            if self.worker:
+                # the payload carries counts only: k = 1 for every request, no moves
+                payload = getattr(out, "vtoken", None)
+                evict = payload.evict if payload is not None else {}
+                if evict != {rid: 1 for rid in out.num_scheduled_tokens}:
+                    self.bad_steps.append(f"step {self.steps}: payload.evict has {len(evict)} requests, values "
+                                          f"{sorted(set(evict.values()))}; expected k = 1 for all {self.R}")
+                if payload is not None and (payload.num_moves or payload.score_steps):
+                    self.bad_steps.append(f"step {self.steps}: worker mode payload has {payload.num_moves} moves, "
+                                          f"{len(payload.score_steps)} score steps; expected none")
         if on_step is not None:
             on_step(self, out, timed)
         return out
@@ -269,7 +344,11 @@ class Driver:
             ev = np.asarray(self.evict_ns, dtype=np.float64) / 1e6
             r["evict"] = _stats(ev)  # part of schedule(): before the stock schedule()
             r["stock_schedule_part"] = _stats(sched_ms - ev)
-            r["mean_moves_per_step"] = float(np.mean(self.moves)) if self.moves else 0.0
+            r["decide_on"] = "worker" if self.worker else "scheduler"
+            r["mean_evicted_per_step"] = float(np.mean(self.evicted)) if self.evicted else 0.0
+            # decide_on: worker: the worker picks the victims and plans the moves; the scheduler
+            # never knows how many tokens move (payload.src/dst stay empty)
+            r["mean_moves_per_step"] = None if self.worker else (float(np.mean(self.moves)) if self.moves else 0.0)
             s = self.sched.vt_stats
             r["faults"] = int(s.request_faults)
         return r
@@ -330,7 +409,151 @@ def run_cell(num_requests: int, live: int, *, arms=ARMS, steps: int = 30, warmup
     return res
 
 
-# ------------------------------------------------------------------ worker-side selection
+# ------------------------------------------------------------------ worker side
+def worker_available() -> Optional[str]:
+    """None when ``vtoken.decider.DeviceDecider`` is importable, else why not."""
+    try:
+        from vtoken.decider import DeviceDecider  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - report, do not fail the scheduler part
+        return f"vtoken.decider not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class WorkerStep:
+    """The worker's eviction work of one steady decode step under ``decide_on: worker``.
+
+    A :class:`vtoken.decider.DeviceDecider` built as ``WorkerDecisions`` builds one
+    (``cfg = VTokenConfig(policy=..., budget=L)``, ``cfg.make_policy()``, protections from
+    ``cfg.protections()``), over a side cache of ``R * ceil((L+1)/B)`` blocks in which request
+    ``i`` owns blocks ``i*nb .. i*nb+nb-1``, holding ``L + 1`` live tokens per request (the
+    budget plus the token the last step appended). :meth:`step` then does what
+    ``WorkerDecisions`` does per decode step: ``observe`` (the previous forward's statistics,
+    ``[R, L+1]`` float64, only the arrays the policy needs: ``col_sum`` for H2O, none for
+    Random), ``evict`` (``k = 1`` per request: select, plan, move the side cache) and ``append``
+    (1 token per request), each call given its rows, block table, counts and protections as
+    tensors made from host lists and arrays, as ``WorkerDecisions`` makes them. The statistics
+    are made once, on the device, before any timing. Not included: the KV-cache move kernel
+    (:mod:`vtoken.kernels.move`), ``WorkerDecisions``' own bookkeeping (block-id copies,
+    grouping by policy) and packing the statistics into a batch.
+    """
+
+    def __init__(self, policy: str, num_requests: int, live: int, *, device: str = "cpu", seed: int = 0,
+                 block_size: int = BLOCK_SIZE):
+        import torch
+        from vtoken.config import VTokenConfig
+        from vtoken.decider import DeviceDecider
+        from vtoken.policies.base import AttentionNeed
+
+        self.R, self.L, self.N = num_requests, live, live + 1
+        self.device = torch.device(device)
+        cfg = VTokenConfig(policy=policy, budget=live)
+        self.policy = cfg.make_policy()
+        self.sinks, self.recent = cfg.protections()
+        nb = cdiv(self.N, block_size)
+        self.dec = DeviceDecider(self.policy, num_slots=num_requests * nb * block_size, block_size=block_size,
+                                 max_requests=num_requests, device=self.device)
+        self.row_list = list(range(num_requests))
+        self.bt = np.arange(num_requests * nb, dtype=np.int64).reshape(num_requests, nb)  # WorkerDecisions' bt
+        self.rows = torch.arange(num_requests, device=self.device)
+        self.dec.append(self.rows, self.table(), torch.full((num_requests,), self.N, device=self.device))
+        g = torch.Generator().manual_seed(seed)
+        need = self.policy.needs
+        rand = lambda: torch.rand(num_requests, self.N, generator=g, dtype=torch.float64).to(self.device)  # noqa: E731
+        self.col_sum = rand() if need & AttentionNeed.COL_SUM else None
+        self.last_row = rand() if need & AttentionNeed.LAST_ROW else None
+
+    def table(self):
+        import torch
+
+        return torch.from_numpy(self.bt[self.row_list]).to(self.device)
+
+    def step(self):
+        """One decode step's observe + evict + append; returns the :class:`~vtoken.decider.Eviction`."""
+        import torch
+
+        dev, rows, R = self.device, self.row_list, self.R
+        if self.col_sum is not None or self.last_row is not None:
+            self.dec.observe(torch.tensor(rows, device=dev), self.table(), self.col_sum, self.last_row)
+        ev = self.dec.evict(torch.tensor(rows, device=dev), self.table(), torch.tensor([1] * R, device=dev),
+                            sink_tokens=torch.tensor([self.sinks] * R, device=dev),
+                            recent_tokens=torch.tensor([self.recent] * R, device=dev),
+                            protected_prefix=torch.tensor([0] * R, device=dev))
+        self.dec.append(torch.tensor(rows, device=dev), self.table(), torch.tensor([1] * R, device=dev))
+        return ev
+
+    def live_counts(self) -> list[int]:
+        return self.dec.live[self.rows].tolist()
+
+
+def time_worker(policy: str, num_requests: int, live: int, *, device: str = "cpu", reps: int = 10, warmup: int = 2,
+                seed: int = 0, threads: Optional[int] = 1) -> dict[str, Any]:
+    """Median/min/max ms of :meth:`WorkerStep.step` for R requests x (L + 1) live tokens, after
+    ``warmup`` untimed steps (``torch.cuda.synchronize()`` around each step on CUDA).
+
+    ``threads``: torch intra-op threads (restored after; None: leave as is).
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        w = WorkerStep(policy, num_requests, live, device=device, seed=seed)
+        sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
+        for _ in range(warmup):
+            ev = w.step()
+        sync()
+        if warmup:
+            assert len(ev.evicted_pos) == num_requests, f"{len(ev.evicted_pos)} victims, expected {num_requests}"
+            assert w.live_counts() == [live + 1] * num_requests
+        ms = []
+        faults0 = _minor_faults()
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter_ns()
+            w.step()
+            sync()
+            ms.append((time.perf_counter_ns() - t0) / 1e6)
+        faults = _minor_faults() - faults0
+        cpu = w.device.type == "cpu"
+        return dict(device=device, policy=policy, num_requests=num_requests, live=live, num_live=live + 1, k=1,
+                    sink_tokens=w.sinks, recent_tokens=w.recent, reps=reps, median_ms=float(np.median(ms)),
+                    min_ms=float(np.min(ms)), max_ms=float(np.max(ms)),
+                    threads=torch.get_num_threads() if cpu else None,
+                    minor_faults_per_step=faults / max(reps, 1) if cpu else None)
+    finally:
+        torch.set_num_threads(old)
+
+
+def tune_cpu_malloc() -> Optional[str]:
+    """Raise glibc's mmap and trim thresholds to 1 and 2 GiB (``mallopt``), so the worker-side
+    CPU steps' big temporaries (``[R, L+1]`` gathers, 33 MB each at 512 x 8193) reuse heap
+    memory instead of fresh zero pages every step, as the CUDA caching allocator does on a GPU.
+    Without it a 512 x 8193 step spends about 2/3 of its time in minor page faults (~600 vs ~170
+    ms on the 2-core machine), and how much depends on the heap the process left behind. Called
+    after the scheduler cells (their timings run under the default allocator). Returns what was
+    set, or None where ``mallopt`` is not glibc's."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(-3, 1 << 30) == 1 and libc.mallopt(-1, 1 << 31) == 1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return None
+    return "glibc mallopt M_MMAP_THRESHOLD=1GiB M_TRIM_THRESHOLD=2GiB" if ok else None
+
+
+def worker_reps(reps: int, num_requests: int, live: int) -> int:
+    """Fewer timed steps for the big cells (a CPU step at 512 x 8193 takes ~0.6 s on 1 thread)."""
+    return reps if num_requests * (live + 1) <= (1 << 21) else max(3, reps // 2)
+
+
 def select_available() -> Optional[str]:
     """None when ``vtoken.select`` has ``select_victims`` and ``plan_moves``, else why not."""
     try:
@@ -426,70 +649,122 @@ def versions() -> dict[str, Optional[str]]:
                 vtoken=ver("vtoken"))
 
 
-def print_table(cells: list[dict[str, Any]], arms, select_rows: dict[tuple[int, int], dict[str, Any]]) -> None:
-    names = {"stock": "stock", "h2o": "vT h2o", "random": "vT random"}
-    head = f"{'R':>5}{'live':>6}" + "".join(f"{names.get(a, a):>11}" for a in arms)
-    head += "".join(f"{names.get(a, a) + '/st':>13}" for a in arms if a != "stock" and "stock" in arms)
-    head += f"{'h2o evict':>11}{'sel CPU':>9}{'sel CUDA':>10}"
-    print("\nmedian ms per decode step (schedule + update_from_output); 'h2o evict' = vToken's pre-schedule part;"
-          "\n'sel' = worker-side select_victims + plan_moves for R x (live+1), k=1")
+def print_table(cells: list[dict[str, Any]], arms, worker_rows: Optional[dict] = None,
+                select_rows: Optional[dict] = None) -> None:
+    """The scheduler table (every arm, ratios to stock, vToken's pre-schedule part), then the
+    worker-side table (``worker_rows``/``select_rows``: (R, L) -> device -> row(s))."""
+    labels = {a: arm_label(a) for a in arms}
+    w = {a: max(11, len(labels[a]) + 2) for a in arms}
+    others = [a for a in arms if a != "stock"] if "stock" in arms else []
+    pre = [a for a in arms if a in ("h2o", "h2o-worker")]
+    head = f"{'R':>5}{'live':>6}" + "".join(f"{labels[a]:>{w[a]}}" for a in arms)
+    head += "".join(f"{labels[a] + '/st':>{w[a] + 3}}" for a in others)
+    head += "".join(f"{labels[a] + ' pre':>{w[a] + 4}}" for a in pre)
+    print("\nhost ms per decode step, median (schedule + update_from_output); '/st' = ratio to stock;"
+          "\n'pre' = vToken's part of schedule() before the stock schedule() (evict, free blocks); "
+          "@w = decide_on: worker")
     print(head)
     print("-" * len(head))
     for c in cells:
         a = c["arms"]
-        row = f"{c['num_requests']:>5}{c['live']:>6}" + "".join(f"{a[x]['total']['median_ms']:>11.2f}" for x in arms)
-        if "stock" in arms:
+        row = f"{c['num_requests']:>5}{c['live']:>6}"
+        row += "".join(f"{a[x]['total']['median_ms']:>{w[x]}.2f}" for x in arms)
+        if others:
             st = a["stock"]["total"]["median_ms"]
-            row += "".join(f"{a[x]['total']['median_ms'] / st:>12.1f}x" for x in arms if x != "stock")
-        row += f"{a['h2o']['evict']['median_ms']:>11.2f}" if "h2o" in a else f"{'-':>11}"
-        sel = select_rows.get((c["num_requests"], c["live"]), {})
-        row += f"{sel['cpu']['median_ms']:>9.2f}" if "cpu" in sel else f"{'-':>9}"
-        row += f"{sel['cuda']['median_ms']:>10.3f}" if "cuda" in sel else f"{'-':>10}"
+            row += "".join(f"{a[x]['total']['median_ms'] / st:>{w[x] + 2}.2f}x" for x in others)
+        row += "".join(f"{a[x]['evict']['median_ms']:>{w[x] + 4}.2f}" for x in pre)
         print(row)
         bad = [x for x in arms if not a[x]["checks_ok"]]
         if bad:
             print(f"      CHECK FAILED for {bad}: {[a[x]['check_failures'][:2] for x in bad]}")
+    if not worker_rows and not select_rows:
+        return
+    worker_rows, select_rows = worker_rows or {}, select_rows or {}
+    devs = sorted({d for v in list(worker_rows.values()) + list(select_rows.values()) for d in v},
+                  key=lambda d: d != "cpu")
+    cols = [(d, pol) for d in devs for pol in WORKER_POLICIES] + [(d, "select") for d in devs if select_rows]
+    name = lambda d, pol: f"{'rand' if pol == 'random' else pol} {d.upper()}"  # noqa: E731
+    print("\nworker side, ms per decode step, median over the timed steps (min-max): DeviceDecider observe (h2o: "
+          "col_sum) + evict (k=1) + append (1)\nfor R x (live+1) tokens; 'select' = select_victims + plan_moves "
+          "alone on random data; CPU with the given torch threads; KV move kernel not included")
+    head = f"{'R':>5}{'live':>6}" + "".join(f"{name(d, pol):>25}" for d, pol in cols)
+    has_faults = any(r.get("minor_faults_per_step") is not None for v in worker_rows.values()
+                     for d in v.values() for r in d.values())
+    if has_faults:
+        head += f"{'CPU faults/step h2o,rand':>26}"
+    print(head)
+    print("-" * len(head))
+    for key in sorted(set(worker_rows) | set(select_rows), key=lambda k: (k[1], k[0])):
+        row = f"{key[0]:>5}{key[1]:>6}"
+        for d, pol in cols:
+            r = select_rows.get(key, {}).get(d) if pol == "select" else worker_rows.get(key, {}).get(d, {}).get(pol)
+            cell = f"{r['median_ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f})" if r else "-"
+            row += f"{cell:>25}"
+        if has_faults:
+            cpu = worker_rows.get(key, {}).get("cpu", {})
+            flt = ",".join(f"{cpu[pol]['minor_faults_per_step']:.0f}" if pol in cpu else "-" for pol in WORKER_POLICIES)
+            row += f"{flt:>26}"
+        print(row)
+    threads = {r.get("threads") for v in worker_rows.values() for d in v.values() for r in d.values()} - {None}
+    if threads:
+        print(f"CPU torch threads: {sorted(threads)}")
+
+
+ARM_STYLE = {  # color, marker, line style
+    "stock": ("tab:gray", "o", "-"),
+    "h2o": ("tab:red", "o", "-"),
+    "random": ("tab:blue", "o", "-"),
+    "h2o-worker": ("tab:orange", "s", "--"),
+    "random-worker": ("tab:cyan", "^", "--"),
+}
+WORKER_STYLE = {"h2o": ("tab:green", "x", ":"), "random": ("tab:olive", "+", ":")}
 
 
 def plot(doc: dict[str, Any], path: Path) -> Optional[Path]:
+    """One panel per live-token count: host ms per step vs running requests per arm, and the
+    worker-side CPU ms per step (DeviceDecider), log-log."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, NullFormatter, ScalarFormatter
     except Exception as e:  # noqa: BLE001 - plotting is optional
         print(f"no plot ({e})")
         return None
     cells = doc["cells"]
     arms = doc["config"]["arms"]
     lives = sorted({c["live"] for c in cells})
-    colors = {"stock": "tab:gray", "h2o": "tab:red", "random": "tab:blue"}
-    styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for arm in arms:
-        for j, L in enumerate(lives):
-            cs = sorted((c for c in cells if c["live"] == L), key=lambda c: c["num_requests"])
-            xs = [c["num_requests"] for c in cs]
-            ys = [c["arms"][arm]["total"]["median_ms"] for c in cs]
-            ax.plot(xs, ys, styles[j % len(styles)], marker="o", color=colors.get(arm), label=f"{arm}, live {L}")
-    sel_pts = [(s["num_requests"], s["num_live"] - 1, s["median_ms"]) for s in doc.get("select", {}).get("cpu", [])]
-    for j, L in enumerate(lives):
-        pts = sorted((r, m) for r, l, m in sel_pts if l == L)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[j % len(styles)], marker="x", color="tab:green",
-                    label=f"worker select (CPU), live {L}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-    ax.set_xticks(sorted({c["num_requests"] for c in cells}))
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("running requests")
-    ax.set_ylabel("host ms per decode step (median)")
-    ax.set_title("Scheduler cost per decode step, no model (sync scheduling)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    worker = doc.get("worker", {}) if isinstance(doc.get("worker"), dict) else {}
+    fig, axes = plt.subplots(1, len(lives), figsize=(4.6 * len(lives), 4.8), sharey=True, squeeze=False)
+    for ax, L in zip(axes[0], lives):
+        cs = sorted((c for c in cells if c["live"] == L), key=lambda c: c["num_requests"])
+        xs = [c["num_requests"] for c in cs]
+        for arm in arms:
+            color, marker, ls = ARM_STYLE.get(arm, (None, "o", "-"))
+            ax.plot(xs, [c["arms"][arm]["total"]["median_ms"] for c in cs], ls=ls, marker=marker, color=color,
+                    label=arm_label(arm))
+        for pol, (color, marker, ls) in WORKER_STYLE.items():
+            pts = sorted((r["num_requests"], r["median_ms"]) for r in worker.get("cpu", [])
+                         if r.get("policy") == pol and r.get("live") == L)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=marker, color=color,
+                        label=f"worker {pol} (CPU, DeviceDecider)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(
+            lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
+        ax.set_xlabel("running requests")
+        ax.set_title(f"live tokens {L}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ms per decode step (median)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Scheduler host time per decode step, no model (sync scheduling); @w = decide_on: worker",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -533,11 +808,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed decode steps after the last prefill chunk")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), help="stock and/or vToken policy names")
     ap.add_argument("--chunk", type=int, default=1 << 19, help="max_num_batched_tokens (prefill chunk per step)")
-    ap.add_argument("--select-reps", type=int, default=10, help="timed calls of the worker-side selection")
+    ap.add_argument("--select-reps", type=int, default=10,
+                    help="timed steps of the worker-side timings after 2 warm-up steps (halved, at least 3, for "
+                         "cells above 2**21 tokens)")
     ap.add_argument("--select-threads", type=int, default=1,
-                    help="torch threads for the CPU selection timing (0: torch's default); with 2 threads on a "
+                    help="torch threads for the CPU worker-side timings (0: torch's default); with 2 threads on a "
                          "busy 2-core machine OpenMP waits dominate (~300 ms a call whatever the size)")
     ap.add_argument("--no-select", action="store_true", help="skip the worker-side part")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's default mmap/trim thresholds for the worker-side CPU timings (see "
+                         "tune_cpu_malloc: big temporaries then cost fresh zero pages every step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
@@ -571,6 +851,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         config=dict(requests=list(requests), live=list(lives), arms=list(args.arms), steps=args.steps,
                     warmup=args.warmup, chunk=args.chunk, block_size=BLOCK_SIZE, seed=args.seed,
                     select_reps=args.select_reps, select_threads=args.select_threads or None,
+                    worker_policies=list(WORKER_POLICIES), worker_warmup=2,
                     prompt_len="2 x live", budget="live", slack=0, scheduling="sync", prefix_caching=False,
                     scores="numpy default_rng(seed+1).random, drawn between schedule() and update_from_output(), "
                            "untimed; only the arrays the step asked for (AttentionNeed bits)"),
@@ -587,29 +868,44 @@ def main(argv: Optional[list[str]] = None) -> int:
         gc.collect()
     doc["cells"] = cells
 
+    worker_rows: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     select_rows: dict[tuple[int, int], dict[str, Any]] = {}
-    why = None if not args.no_select else "--no-select"
-    why = why or select_available()
+    why = "--no-select" if args.no_select else worker_available()
     if why:
-        print(f"\nworker-side selection skipped: {why}")
+        print(f"\nworker-side timing skipped: {why}")
+        doc["worker"] = dict(skipped=why)
         doc["select"] = dict(skipped=why)
     else:
         import torch
 
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        doc["select"] = {dev: [] for dev in devices}
-        for r, L in tqdm(grid, desc="worker select", unit="cell"):
+        threads = args.select_threads or None
+        doc["worker_cpu_malloc"] = None if args.default_malloc else tune_cpu_malloc()
+        doc["worker"] = {dev: [] for dev in devices}
+        for r, L in tqdm(grid, desc="worker side", unit="cell"):
+            reps = worker_reps(args.select_reps, r, L)
             for dev in devices:
-                s = time_select(r, L + 1, device=dev, reps=args.select_reps, seed=args.seed, recent=L // 2,
-                                threads=args.select_threads or None)
-                doc["select"][dev].append(s)
-                select_rows.setdefault((r, L), {})[dev] = s
+                for pol in WORKER_POLICIES:
+                    row = time_worker(pol, r, L, device=dev, reps=reps, seed=args.seed, threads=threads)
+                    doc["worker"][dev].append(row)
+                    worker_rows.setdefault((r, L), {}).setdefault(dev, {})[pol] = row
+        sel_why = select_available()
+        if sel_why:
+            doc["select"] = dict(skipped=sel_why)
+        else:
+            doc["select"] = {dev: [] for dev in devices}
+            for r, L in grid:
+                for dev in devices:
+                    sel = time_select(r, L + 1, device=dev, reps=worker_reps(args.select_reps, r, L), seed=args.seed,
+                                      recent=L // 2, threads=threads)
+                    doc["select"][dev].append(sel)
+                    select_rows.setdefault((r, L), {})[dev] = sel
         if "cuda" in devices:
-            doc["select"]["cuda_device"] = torch.cuda.get_device_name()
+            doc["cuda_device"] = torch.cuda.get_device_name()
 
     doc["load_average_after"] = list(os.getloadavg())
     doc["total_wall_s"] = time.perf_counter() - t_start
-    print_table(cells, args.arms, select_rows)
+    print_table(cells, args.arms, worker_rows, select_rows)
     print(f"\nload average before {load_before}, after {doc['load_average_after']}; "
           f"total {doc['total_wall_s']:.0f} s")
     out = Path(args.out)

@@ -185,3 +185,23 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
 if __name__ == "__main__":
     for n, f in TABLES.items():
         print(f"<!-- generated: benchmarks/doc_tables.py {n} -->\n{f()}<!-- end generated -->\n")
+
+
+def scheduler_table(name: str = "bench_scheduler.json") -> str:
+    """``bench_scheduler.py``: host ms per decode step (median) of vLLM's ``Scheduler`` and
+    vToken's, per arm, with the ratio to stock; and the worker-side ``DeviceDecider`` step (CPU)."""
+    d = _load(name)
+    arms = [a for a in d["config"]["arms"] if a != "stock"]
+    label = {"h2o": "h2o", "random": "random", "h2o-worker": "h2o, worker", "random-worker": "random, worker"}
+    worker = {(w["policy"], w["num_requests"], w["live"]): w["median_ms"] for w in d.get("worker", {}).get("cpu", [])}
+    head = "| running requests | live tokens | stock (ms) | " + " | ".join(
+        f"vToken {label.get(a, a)} (ms, x stock)" for a in arms) + " | worker side, CPU: h2o / random (ms) |"
+    rows = [head, "|" + "---|" * (4 + len(arms))]
+    for c in sorted(d["cells"], key=lambda c: (c["live"], c["num_requests"])):
+        st = c["arms"]["stock"]["total"]["median_ms"]
+        cells = [f"{c['arms'][a]['total']['median_ms']:.2f} ({c['arms'][a]['total']['median_ms'] / st:.2f}x)"
+                 for a in arms]
+        w = [worker.get((p, c["num_requests"], c["live"])) for p in ("h2o", "random")]
+        ws = " / ".join("-" if x is None else f"{x:.1f}" for x in w)
+        rows.append(f"| {c['num_requests']} | {c['live']:,} | {st:.2f} | " + " | ".join(cells) + f" | {ws} |")
+    return "\n".join(rows) + "\n"

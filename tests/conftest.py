@@ -1,8 +1,11 @@
-"""Makes ``tests/execution_paths.py`` importable from every test directory."""
+"""Makes ``tests/execution_paths.py`` and the repository's ``drivers/`` importable from every test
+directory, however pytest is started."""
 
 import sys
 from pathlib import Path
 
 _HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
+_ROOT = str(Path(__file__).resolve().parents[1])
+for _p in (_ROOT, _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)

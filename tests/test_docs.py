@@ -1,11 +1,17 @@
 """The docs agree with the code and with the committed result files (no engine; a few seconds).
 
+- README.md is a short front page: at most 12 KB, it starts with the two set-up commands, and its
+  configuration examples are valid.
 - Generated tables (between ``<!-- generated: ... -->`` and ``<!-- end generated -->``) equal
-  what their generator prints now: the config table (``vtoken config --format markdown``), the
-  metrics table (``metrics_table_markdown``) and the benchmark tables of README_sla.md
-  (``benchmarks/doc_tables.py``).
-- Every file path cited in README.md, docs/*.md and benchmarks/*.md exists.
-- The README's result figures equal the values in the result file each one names.
+  what their generator prints now: the config and metrics tables of docs/configuration.md
+  (``vtoken config --format markdown``, ``metrics_table_markdown``) and the benchmark tables of
+  benchmarks/README.md and README_sla.md (``benchmarks/doc_tables.py``). docs/configuration.md's refusals block
+  is checked by ``tests/integration/test_refusals.py``.
+- Every file path cited in README.md, docs/*.md and benchmarks/*.md exists, and every relative
+  markdown link (and its ``#anchor``) resolves from the page that holds it.
+- docs/layout.md names every module of ``vtoken/`` and every module that imports vllm.
+- The result figures (benchmarks/README.md, README_sla.md, the README's first-start time) equal
+  the values in the result file each one names.
 """
 
 from __future__ import annotations
@@ -21,6 +27,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
+#: where each part of the former long README lives now
+CONFIG_DOC = ROOT / "docs" / "configuration.md"
+BENCH_DOC = ROOT / "benchmarks" / "README.md"
+LAYOUT_DOC = ROOT / "docs" / "layout.md"
+README_MAX_BYTES = 12 * 1024
 
 
 def _generated(text: str, marker: str) -> str:
@@ -34,11 +45,70 @@ def _readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
+def _config_doc() -> str:
+    return CONFIG_DOC.read_text()
+
+
+def _bench() -> str:
+    """benchmarks/README.md: every result, with the command that made it (moved from README.md)."""
+    return BENCH_DOC.read_text()
+
+
+# ----------------------------------------------------------------------------- README: a short front page
+def test_readme_is_at_most_12_kb():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes (at most {README_MAX_BYTES}): move detail into docs/"
+
+
+def test_readme_starts_with_the_two_commands():
+    lines = _readme().splitlines()
+    assert lines[0].startswith("# vToken") and lines[1] == "" and lines[2] == "```bash", lines[:3]
+    first, second = lines[3], lines[4]
+    assert lines[5] == "```", lines[5]
+    assert first.split("#", 1)[0].split() == ["make", "serve"] and "vllm serve" in first and "vToken" in first
+    assert second.split("#", 1)[0].split() == ["make", "test"] and "test suite" in second
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^serve:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+
+
+def _makefile_var(name: str) -> str:
+    m = re.search(rf"^{name}\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, name
+    return m.group(1).strip()
+
+
+def test_readme_config_examples_are_valid_and_the_demo_is_make_serve():
+    from vtoken.config import parse_config
+
+    readme = _readme()
+    configs = re.findall(r"--additional-config '([^']+)'", readme)
+    assert len(configs) >= 2, configs  # the demo and the configuration example
+    configs = [c for c in configs if "..." not in c]  # the syntax line `{"vtoken": {...}}`
+    for raw in configs:
+        parse_config(json.loads(raw)["vtoken"])
+    # "`make serve` runs this": the demo command is the Makefile's
+    assert json.loads(configs[0]) == json.loads(_makefile_var("VTOKEN_CONFIG"))
+    demo = " ".join(readme[readme.index(".venv/bin/vllm serve"):readme.index("--additional-config")].replace("\\", " ").split())
+    assert " ".join(_makefile_var("SERVE_ARGS").split()) in demo
+    assert "--served-model-name smollm2" in demo and "--block-size 32" in demo
+
+
+def test_configuration_error_example_is_what_the_code_says():
+    from vtoken.config import VTokenConfigError, parse_config
+
+    flat = " ".join(_config_doc().split())
+    m = re.search(r"`vtoken: error: (vtoken\.bugdet = 64: [^`]*)`", flat)
+    assert m, "docs/configuration.md: no start-up error example"
+    with pytest.raises(VTokenConfigError) as e:
+        parse_config({"bugdet": 64})
+    assert m.group(1) == str(e.value)
+
+
 # ----------------------------------------------------------------------------- generated tables
-def test_readme_config_table_is_generated_from_the_model():
+def test_config_table_is_generated_from_the_model():
     from vtoken.cli import config_table_markdown
 
-    assert _generated(_readme(), "vtoken config --format markdown") == config_table_markdown()
+    assert _generated(_config_doc(), "vtoken config --format markdown") == config_table_markdown()
 
 
 def test_config_table_lists_every_field_and_no_removed_one():
@@ -65,10 +135,22 @@ def test_vtoken_config_command_prints_every_key():
     assert json.loads(p.stdout) == config_schema()
 
 
-def test_readme_metrics_table_is_generated_from_metrics_py():
+def test_policy_classes_are_the_registered_ones():
+    from vtoken.policies import get_policy_class
+
+    rows = re.findall(r"^\| `(\w+)` \| `(vtoken\.policies\.[\w.]+)` \|$", _config_doc(), re.M)
+    assert len(rows) == 5
+    for name, path in rows:
+        cls = get_policy_class(name)
+        assert f"{cls.__module__}.{cls.__qualname__}" == path, name
+    readme_names = re.findall(r"^\| `(\w+)` \| [^|]*arXiv|^\| `(\w+)` \| baseline", _readme(), re.M)
+    assert {a or b for a, b in readme_names} == {n for n, _ in rows}
+
+
+def test_metrics_table_is_generated_from_metrics_py():
     from vtoken.integrations.vllm.metrics import COUNTERS, GAUGES, metrics_table_markdown
 
-    table = _generated(_readme(), "vtoken.integrations.vllm.metrics.metrics_table_markdown()")
+    table = _generated(_config_doc(), "vtoken.integrations.vllm.metrics.metrics_table_markdown()")
     assert table == metrics_table_markdown()
     assert len(table.strip().splitlines()) == 2 + len(GAUGES) + len(COUNTERS)
 
@@ -144,7 +226,114 @@ def test_path_check_can_fail(tmp_path):
     assert _exists("benchmarks/results/sla_small.png", doc, set())
 
 
-# ----------------------------------------------------------------------------- README figures
+# ----------------------------------------------------------------------------- relative links
+LINK_DOCS = [*DOCS, ROOT / "patches" / "README.md"]
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces -> '-'."""
+    s = re.sub(r"[`*_]", "", heading.strip().lower())
+    s = re.sub(r"[^\w\- ]", "", s)
+    return s.replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # no headings inside code blocks
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def _broken_links(doc: Path) -> list[str]:
+    """Relative markdown links of ``doc`` whose file (from ``doc``'s folder, as GitHub resolves
+    them) or ``#anchor`` does not exist."""
+    bad = []
+    for m in _LINK.finditer(doc.read_text()):
+        target = m.group(1)
+        if re.match(r"^[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        path, _, anchor = target.partition("#")
+        f = (doc.parent / path).resolve() if path else doc
+        if not f.exists():
+            bad.append(target)
+        elif anchor and f.suffix == ".md" and anchor not in _anchors(f):
+            bad.append(target)
+    return bad
+
+
+@pytest.mark.parametrize("doc", LINK_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    bad = _broken_links(doc)
+    assert not bad, f"{doc.relative_to(ROOT)}: links that do not resolve from {doc.parent.relative_to(ROOT) or '.'}/: {bad}"
+
+
+def test_readme_links_into_docs():
+    links = {m.group(1).partition("#")[0] for m in _LINK.finditer(_readme())}
+    for page in ("docs/configuration.md", "benchmarks/README.md", "docs/layout.md"):
+        assert page in links, page
+    # the README's docs table lists every page of docs/
+    assert {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")} <= links
+
+
+def test_link_check_can_fail(tmp_path):
+    (tmp_path / "a.md").write_text("# Top part\n\n[ok](b.md#the-b-page) [self](#top-part)\n"
+                                   "[gone](nope.md) [bad anchor](b.md#nope) [web](https://example.com)\n")
+    (tmp_path / "b.md").write_text("# The `b` page\n")
+    assert _broken_links(tmp_path / "a.md") == ["nope.md", "b.md#nope"]
+
+
+# ----------------------------------------------------------------------------- code layout
+def _imports_vllm(path: Path) -> bool:
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
+            return True
+    return False
+
+
+def _layout_block() -> str:
+    text = LAYOUT_DOC.read_text()
+    i = text.index("## Layout")
+    m = re.search(r"```\n(.*?)```", text[i:], re.S)
+    assert m, "docs/layout.md: no layout block"
+    return m.group(1)
+
+
+def test_layout_names_every_module():
+    block = _layout_block()
+    pkg = ROOT / "vtoken"
+    names = {p.name for p in pkg.glob("*.py") if p.name != "__init__.py"}
+    names |= {f"{p.name}/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    # the package's entries: lines indented by two spaces under `vtoken/`, first word = the module
+    entries = [ln.split()[0] for ln in block.splitlines() if re.match(r"^  \S", ln)]
+    missing = sorted(n for n in names if not any(e == n or (n.endswith("/") and e.startswith(n)) for e in entries))
+    assert not missing, f"docs/layout.md's layout leaves out {missing}"
+    assert "drivers/" in block and "not shipped" in block
+    # kernels/ holds the token-move and the scoring kernels
+    line = next(ln for ln in block.splitlines() if ln.strip().startswith("kernels/"))
+    assert "token-move" in line and "scoring" in line
+    assert {p.name for p in (pkg / "kernels").glob("*.py")} >= {"move.py", "score.py"}
+
+
+def test_layout_names_every_module_that_imports_vllm():
+    """The layout says the core imports no vllm: only integrations/, cli.py and patches/fingerprint.py."""
+    pkg = ROOT / "vtoken"
+    importers = {str(p.relative_to(pkg)) for p in pkg.rglob("*.py") if _imports_vllm(p)}
+    assert importers, "no module imports vllm?"
+    outside = {m for m in importers if not m.startswith("integrations/")}
+    assert outside == {"cli.py", "patches/fingerprint.py"}, outside
+    assert any(m.startswith("integrations/") for m in importers)
+    lines = _layout_block().splitlines()
+    assert lines[0].startswith("vtoken/")
+    end = next(i for i, ln in enumerate(lines) if re.match(r"^  \S", ln))
+    first = " ".join(" ".join(lines[:end]).split())  # the vtoken/ line and its continuation
+    for name in ("integrations/", "cli.py", "patches/fingerprint.py"):
+        assert name in first, name
+
+
+# ----------------------------------------------------------------------------- result figures (benchmarks/README.md)
 def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
@@ -158,13 +347,13 @@ def _section(text: str, start: str, flat: bool = False) -> str:
     return " ".join(sec.split()) if flat else sec
 
 
-def test_readme_retained_blocks_table_matches_result():
+def test_results_retained_blocks_table_matches_result():
     d = _load("retained_blocks_full.json")
     red = {(s["policy"], s["budget"], s["block_size"]): s["reduction_avg"] * 100
            for s in d["summary"] if s["model"] == "smollm2"}
     names = {"H2O": "h2o", "Random": "random", "Scissorhands": "scissorhands", "TOVA": "tova",
              "StreamingLLM": "streaming"}
-    sec = _section(_readme(), "**Retained KV blocks per request")
+    sec = _section(_bench(), "**Retained KV blocks per request")
     seen = 0
     for line in sec.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -178,11 +367,11 @@ def test_readme_retained_blocks_table_matches_result():
     assert seen == 5
 
 
-def test_readme_concurrency_table_matches_result():
+def test_results_concurrency_table_matches_result():
     d = _load("concurrency_full.json")
     n = {(r["mode"], r["policy"], r["budget"]): r["max_feasible_n"] for r in d["results"]}
     stock = n[("stock", None, None)]
-    sec = _section(_readme(), "**Maximum feasible concurrency")
+    sec = _section(_bench(), "**Maximum feasible concurrency")
     seen = 0
     for line in sec.splitlines():
         m = re.match(r"\| (H2O|Random|Scissorhands), (\d+) \| (\d+) \| (\d+) \| (\d+) \| \**([\d.]+)x", line)
@@ -197,9 +386,9 @@ def test_readme_concurrency_table_matches_result():
     assert f"fixed pool of {d['meta']['pool_blocks']}" in sec
 
 
-def test_readme_overhead_figures_match_result():
+def test_results_overhead_figures_match_result():
     r = _load("overhead_small.json")["results"]["smollm2"]
-    sec = _section(_readme(), "**Overhead**", flat=True)
+    sec = _section(_bench(), "**Overhead**", flat=True)
     for arm in ("noevict", "evict"):
         x = r[arm]
         assert f"**{x['ratio_median']:.2f}x**" in sec
@@ -207,10 +396,10 @@ def test_readme_overhead_figures_match_result():
     assert f"median of {len(r['evict']['step_ms'])}" in sec
 
 
-def test_readme_step_split_figures_match_results():
+def test_results_step_split_figures_match_results():
     """The README's step-split paragraph quotes both result files (before and after the strided
     key reads); every figure is re-derived here from them."""
-    sec = _section(_readme(), "**Where a decode step's time goes**", flat=True)
+    sec = _section(_bench(), "**Where a decode step's time goes**", flat=True)
     old = _load("step_split_elementwise_gather.json")["results"]
     new = _load("step_split.json")["results"]
     for res in (old, new):
@@ -238,7 +427,7 @@ def test_h2o_rerun_figures_match_results():
     d, old = _load("sla_h2o_faster_scoring.json"), _load("sla.json")
     u = {k: a["unloaded"] for k, a in d["arms"].items()}
     ou = {k: a["unloaded"] for k, a in old["arms"].items()}
-    readme = " ".join(_readme().split())
+    readme = " ".join(_bench().split())
     sla_md = " ".join((ROOT / "benchmarks" / "README_sla.md").read_text().split())
     vt, nv = f"{u['vtoken-h2o']['p50_tpot_ms']:.1f}", f"{u['naive-h2o']['p50_tpot_ms']:.1f}"
     assert f"unloaded P50 {vt} against {nv} ms" in readme
@@ -260,13 +449,13 @@ def test_h2o_rerun_figures_match_results():
     assert f"{ou['naive-h2o']['p50_tpot_ms']:.1f}" == "20.4"
 
 
-def test_readme_sla_figures_match_result():
+def test_results_sla_figures_match_result():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import doc_tables
     finally:
         sys.path.pop(0)
-    readme = _readme()
+    readme = _bench()
     assert _generated(readme, "benchmarks/doc_tables.py sla_headline_table") == doc_tables.sla_headline_table()
     d = _load("sla.json")
     sec = _section(readme, "**SLA-constrained throughput**", flat=True)
@@ -339,7 +528,7 @@ def test_sla_fine_replicate_figures_match_results():
         import doc_tables
     finally:
         sys.path.pop(0)
-    readme = _readme()
+    readme = _bench()
     assert _generated(readme, "benchmarks/doc_tables.py sla_fine_table") == doc_tables.sla_fine_table()
     arms = doc_tables.sla_merged_runs()
     flat = " ".join(_section(readme, "**Replicate on a finer grid**", flat=True).split())
@@ -365,10 +554,10 @@ def test_sla_fine_replicate_figures_match_results():
     assert f"{walls[0]:.0f} s + {walls[1]:.0f} s" in text
 
 
-def test_readme_prefix_cache_figures_match_result():
+def test_results_prefix_cache_figures_match_result():
     d = _load("prefix_cache_sharegpt.json")
     arms = {a["arm"]: a for a in d["arms"]}
-    sec = _section(_readme(), "**Prefix caching with vToken**", flat=True)
+    sec = _section(_bench(), "**Prefix caching with vToken**", flat=True)
     assert d["meta"]["command"] == "python benchmarks/bench_prefix_cache.py"
     assert f"{d['args']['conversations']} ShareGPT chats x {d['args']['turns']} turns" in sec
     assert f"{d['args']['max_tokens']} output tokens" in sec
@@ -386,10 +575,10 @@ def test_readme_prefix_cache_figures_match_result():
     assert f"peak by {(1 - lb['blocks_peak'] / s['blocks_peak']) * 100:.0f} %" in sec
 
 
-def test_readme_soak_figures_match_result():
+def test_results_soak_figures_match_result():
     d = _load("soak_2026-11-30.json")
     f = d["figures"]
-    sec = _section(_readme(), "**Soak**", flat=True)
+    sec = _section(_bench(), "**Soak**", flat=True)
     for key, label in (("requests_served", "requests served"), ("aborts", "aborts"), ("rejected_400", "bad requests"),
                        ("preemptions", "preemptions"), ("evicted_tokens", "tokens evicted"),
                        ("moved_tokens", "moved"), ("freed_blocks", "blocks freed"), ("blocks_leaked", "blocks leaked")):
@@ -398,9 +587,9 @@ def test_readme_soak_figures_match_result():
     assert f"{d['clients']} clients" in sec and f"--minutes {d['minutes']:g}" in sec
 
 
-def test_readme_quality_figures_match_result():
+def test_results_quality_figures_match_result():
     rows = {(r["policy"], r["budget"]): r for r in _load("quality_small.json")["oracle"]["summary"]}
-    sec = _section(_readme(), "**Quality**", flat=True)
+    sec = _section(_bench(), "**Quality**", flat=True)
     att = [rows[(p, b)] for p in ("h2o", "scissorhands") for b in (128, 256)]
     rnd = [rows[("random", b)] for b in (128, 256)]
     lo, hi = min(r["delta_nll"] for r in att), max(r["delta_nll"] for r in att)
@@ -410,13 +599,13 @@ def test_readme_quality_figures_match_result():
     assert f"+{min(r['delta_nll'] for r in rnd):.1f} to +{max(r['delta_nll'] for r in rnd):.1f} nats" in sec
 
 
-def test_readme_quality_scale_table_and_figures_match_result():
+def test_results_quality_scale_table_and_figures_match_result():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import doc_tables
     finally:
         sys.path.pop(0)
-    readme = _readme()
+    readme = _bench()
     assert _generated(readme, "benchmarks/doc_tables.py quality_scale_table") == doc_tables.quality_scale_table()
     d = _load("quality_scale.json")
     rows = {(r["policy"], r["budget"], r["pacing"]): r for r in d["oracle"]["summary"]}
@@ -434,20 +623,30 @@ def test_readme_quality_scale_table_and_figures_match_result():
     assert order == ["tova", "scissorhands", "streaming", "h2o"]
 
 
-def test_readme_first_start_matches_result():
+def test_results_first_start_matches_result():
     d = _load("first_start.json")
     t, a = d["seconds_from_make_serve"], d["asset_steps_s"]
-    sec = _section(_readme(), "**First start**", flat=True)
+    sec = _section(_bench(), "**First start**", flat=True)
     assert f"answered `/health` after {t['health_ok']:.0f} s" in sec
     assert f"installing `.venv/` {t['venv_installed']:.1f} s" in sec
     assert f"SmolLM2 {a['smollm2']:.1f} s" in sec and f"ShareGPT JSON {a['sharegpt']:.1f} s" in sec
     assert f"(about {5 * round((t['health_ok'] - t['assets_built']) / 5):.0f} s)" in sec
     assert d["demo_usage"]["prompt_tokens"] == 1037
+    # the README's "Try it" quotes the total, with the command and the result file
+    try_it = " ".join(_readme()[_readme().index("## Try it"):].split())
+    assert f"answered `/health` after {t['health_ok']:.0f} s" in try_it
+    assert "(`bash benchmarks/first_start.sh` -> `benchmarks/results/first_start.json`" in try_it
 
 
 # ----------------------------------------------------------------------------- benchmarks/README.md tables
-def _bench_readme_rows(first_cell: str) -> list[list[str]]:
-    text = (ROOT / "benchmarks" / "README.md").read_text()
+def _bench_readme_rows(first_cell: str, section: str) -> list[list[str]]:
+    """Table rows of benchmarks/README.md whose first cell matches ``first_cell``, in the ``## ``
+    section whose heading starts with ``section`` (the summary above the sections quotes some of
+    the same tables in other shapes)."""
+    text = _bench()
+    i = text.index("\n## " + section)
+    j = text.find("\n## ", i + 1)
+    text = text[i: j if j > 0 else len(text)]
     rows = []
     for line in text.splitlines():
         if line.startswith("| "):
@@ -460,7 +659,7 @@ def _bench_readme_rows(first_cell: str) -> list[list[str]]:
 def test_benchmarks_readme_retained_table_matches_result():
     s = {(r["policy"], r["budget"], r["block_size"]): r for r in _load("retained_blocks_full.json")["summary"]
          if r["model"] == "smollm2"}
-    rows = _bench_readme_rows("h2o|random|scissorhands|tova|streaming")
+    rows = _bench_readme_rows("h2o|random|scissorhands|tova|streaming", "1. Retained")
     rows = [r for r in rows if len(r) == 10]
     assert len(rows) == 15
     for pol, b, *cells in rows:
@@ -476,7 +675,7 @@ def test_benchmarks_readme_concurrency_tables_match_results():
                                 ("concurrency_full.json", r"h2o|random|scissorhands", 6)):
         res = {(r["mode"], r["policy"], r["budget"]): r for r in _load(name)["results"]}
         stock = res[("stock", None, None)]["max_feasible_n"]
-        rows = [r for r in _bench_readme_rows(first) if r[1].isdigit()]
+        rows = [r for r in _bench_readme_rows(first, "2. Maximum feasible concurrency") if r[1].isdigit()]
         if name == "concurrency_small.json":
             rows = [r for r in rows if len(r) == 5]
             assert len(rows) == n_rows
@@ -503,7 +702,7 @@ def test_benchmarks_readme_quality_table_matches_result():
     d = _load("quality_small.json")
     o = {(r["policy"], r["budget"]): r for r in d["oracle"]["summary"]}
     e = {(r["policy"], r["budget"]): r for r in d["engine"]["summary"]}
-    rows = [r for r in _bench_readme_rows("h2o|random|scissorhands") if len(r) == 7 and "." in r[2]]
+    rows = [r for r in _bench_readme_rows("h2o|random|scissorhands", "3. Quality") if len(r) == 7 and "." in r[2]]
     assert len(rows) == 6
     for pol, b, nll, dnll, agree, top1, greedy in rows:
         r, g = o[(pol, int(b))], e[(pol, int(b))]

@@ -72,9 +72,10 @@ class SideCache:
     def num_slots(self) -> int:
         return int(self.fields["pos"].shape[0])
 
-    def gather(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every field at global ``slots`` (int64 ``[R, N]``): name -> ``[R, N, *lead]`` (copies)."""
-        return {k: t[slots] for k, t in self.fields.items()}
+    def gather(self, slots: torch.Tensor, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+        """Fields at global ``slots`` (int64 ``[R, N]``): name -> ``[R, N, *lead]`` (copies);
+        ``names``: only these (default: every field)."""
+        return {k: self.fields[k][slots] for k in (self.fields if names is None else names)}
 
     def scatter(self, slots: torch.Tensor, mask: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Write ``values[name][mask]`` back to ``slots[mask]`` (bool ``mask`` ``[R, N]``)."""
@@ -198,8 +199,7 @@ class DeviceDecider:
             return
         n = (col_sum if col_sum is not None else last_row).shape[1]
         slots, mask = self._slots(rows, block_table, n)
-        fields = self.side.gather(slots)
-        fields.pop("pos")
+        fields = self.side.gather(slots, [k for k in self.side.fields if k != "pos"])
         req = {k: t[rows] for k, t in self.req_fields.items()}
         live = self.live[rows]
         zero = lambda x: None if x is None else torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))  # noqa: E731

@@ -21,8 +21,13 @@ makes the plan deterministic. Every ``dst < new_num_live <= src``, so the source
 and destination sets are disjoint and "gather every src, then scatter to every dst"
 is a safe way to apply the plan in one pass.
 
-Afterwards the request holds ``cdiv(new_num_live, B)`` blocks; the block-table
-entries ``cdiv(new_num_live, B) .. cdiv(old_num_live, B) - 1`` go back to the pool.
+Afterwards the live tokens fill ``cdiv(new_num_live, B)`` blocks; the plan's
+``freed_block_indices`` are the block-table entries ``cdiv(new_num_live, B) ..
+cdiv(old_num_live, B) - 1`` that it empties. The vLLM scheduler does not read them: after
+an eviction it keeps ``cdiv(new_num_live + 1, B)`` blocks (room for the token the request
+writes in the same step, so a budget that is a multiple of B does not free a block and
+take it back every step; at least Naive-Evict's count under ``mode: naive``) and frees the rest of
+its tail through the KV manager (``VTokenFullAttentionManager.vt_free_tail``).
 
 :class:`NaiveEvictCounter` is the baseline's accounting: tokens stay where they
 were appended (logical position ``p`` lives in block ``p // B``) and a block is
@@ -148,7 +153,9 @@ class RepackPlan:
     @property
     def freed_block_indices(self) -> np.ndarray:
         """int64 ``[num_blocks_before - num_blocks_after]``: indices into the request's
-        block table of the tail blocks that the plan empties (ascending)."""
+        block table of the tail blocks that the plan empties (ascending). The scheduler
+        does not free these: it keeps one more block when ``new_num_live`` is a multiple
+        of B (``cdiv(new_num_live + 1, B)``, module docstring)."""
         return np.arange(self.num_blocks_after, self.num_blocks_before, dtype=np.int64)
 
     @property

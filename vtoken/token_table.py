@@ -98,7 +98,9 @@ class TokenTable:
         return out
 
     def num_blocks(self) -> int:
-        """Blocks the request holds: ``cdiv(num_live, block_size)``."""
+        """``cdiv(num_live, block_size)``: the blocks the live tokens fill (what the
+        scheduler's check expects a request to hold once a step's tokens are appended;
+        right after an eviction it keeps ``cdiv(num_live + 1, B)``, see :meth:`evict_slots`)."""
         return cdiv(self.num_live, self.block_size)
 
     # ---------------------------------------------------------------- mutation
@@ -140,7 +142,11 @@ class TokenTable:
 
         Returns:
             The :class:`RepackPlan` (already applied here; the caller applies it to the
-            KV cache and per-slot state, and frees ``plan.freed_block_indices``).
+            KV cache and per-slot state). The vLLM scheduler then keeps
+            ``cdiv(num_live + 1, B)`` blocks (room for the step's next token) and frees the
+            rest of the request's tail through the KV manager
+            (``VTokenFullAttentionManager.vt_free_tail``); it does not read
+            ``plan.freed_block_indices``.
 
         Raises:
             ValueError / TypeError: as :func:`vtoken.repack.plan_repack`; the table is

@@ -1,11 +1,15 @@
 """The model-free scheduler driver of ``benchmarks/bench_scheduler.py`` on one tiny cell.
 
 4 requests x 64 live tokens (prompt 128, budget 64, block size 32), 3 timed decode steps, arms
-``stock`` and ``h2o``, prefill in chunks of 96 tokens so partial prefill chunks (no sampled
-token, H2O scores for a partial prompt) happen too. Checks exact facts of every timed step:
-every request is scheduled with 1 token; vToken keeps the budget (its live count is the budget
-plus this step's token, ``ceil(live/32)`` blocks, one eviction per request and step); the stock
-scheduler holds ``ceil(tokens/32)`` blocks per request. A few seconds.
+``stock``, ``h2o`` and ``h2o-worker`` (H2O with ``decide_on: worker``), prefill in chunks of 96
+tokens so partial prefill chunks (no sampled token, H2O scores for a partial prompt) happen too.
+Checks exact facts of every timed step: every request is scheduled with 1 token; vToken keeps
+the budget (its live count is the budget plus this step's token, ``ceil(live/32)`` blocks, one
+eviction per request and step) in both modes; under ``decide_on: worker`` the payload carries
+counts only (``evict == {rid: 1}`` for every request, no moves, no score steps); the stock
+scheduler holds ``ceil(tokens/32)`` blocks per request. Then the worker-side timing
+(``WorkerStep``/``time_worker``: DeviceDecider observe + evict + append) on a tiny size. A few
+seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_scheduler as bs  # noqa: E402
 
 R, LIVE, STEPS, WARMUP, CHUNK = 4, 64, 3, 1, 96
+ARMS = ("stock", "h2o", "h2o-worker")
+VT_ARMS = ("h2o", "h2o-worker")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,8 +35,8 @@ def cdiv(a: int, b: int) -> int:
 
 @pytest.fixture(scope="module")
 def cell():
-    seen: dict[str, list] = {"stock": [], "h2o": []}
-    partial_prefill = {"stock": 0, "h2o": 0}
+    seen: dict[str, list] = {arm: [] for arm in ARMS}
+    partial_prefill = {arm: 0 for arm in ARMS}
 
     def on_step(driver, out, timed):
         sched = driver.sched
@@ -42,28 +48,33 @@ def cell():
             return
         rec = dict(scheduled=dict(out.num_scheduled_tokens), reqs={})
         snap = sched.vt_snapshot() if driver.vtoken else None
+        mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
         for req in sched.running:
             rid = req.request_id
             blocks = len(sched.kv_cache_manager.get_block_ids(rid)[0])
-            r = dict(blocks=blocks, computed=req.num_computed_tokens, tokens=req.num_tokens,
-                     outputs=req.num_output_tokens)
+            r = dict(blocks=blocks, mgr_blocks=len(mgr.req_to_blocks[rid]), computed=req.num_computed_tokens,
+                     tokens=req.num_tokens, outputs=req.num_output_tokens)
             if snap is not None:
-                r.update(num_live=snap["requests"][rid]["num_live"], vt_blocks=snap["requests"][rid]["blocks"])
+                r.update(num_live=snap["requests"][rid]["num_live"], vt_blocks=snap["requests"][rid]["blocks"],
+                         live_helper=bs._live_tokens(sched, rid))
             rec["reqs"][rid] = r
+        payload = getattr(out, "vtoken", None)
+        if payload is not None:
+            rec["payload"] = dict(evict=dict(payload.evict), num_moves=payload.num_moves,
+                                  score_steps=dict(payload.score_steps), scores=dict(payload.scores))
         if snap is not None:
             rec["evictions"] = snap["stats"]["evictions"]
             rec["faults"] = snap["stats"]["request_faults"]
         seen[driver.arm].append(rec)
 
-    res = bs.run_cell(R, LIVE, arms=("stock", "h2o"), steps=STEPS, warmup=WARMUP, chunk=CHUNK, seed=0,
-                      on_step=on_step)
+    res = bs.run_cell(R, LIVE, arms=ARMS, steps=STEPS, warmup=WARMUP, chunk=CHUNK, seed=0, on_step=on_step)
     return res, seen, partial_prefill
 
 
 def test_cell_result(cell):
     res, _, partial = cell
     assert res["prompt_len"] == 2 * LIVE and res["budget"] == LIVE
-    for arm in ("stock", "h2o"):
+    for arm in ARMS:
         a = res["arms"][arm]
         assert a["steps"] == STEPS
         assert a["checks_ok"], a["check_failures"]
@@ -71,11 +82,15 @@ def test_cell_result(cell):
         assert a["total"]["median_ms"] > 0
         assert partial[arm] > 0  # some prefill chunks were partial
     assert res["arms"]["h2o"]["faults"] == 0  # the fake scores had the right lengths
+    w = res["arms"]["h2o-worker"]
+    assert w["faults"] == 0 and w["decide_on"] == "worker"
+    assert w["mean_evicted_per_step"] == R and w["mean_moves_per_step"] is None  # moves: the worker's business
+    assert res["arms"]["h2o"]["decide_on"] == "scheduler" and res["arms"]["h2o"]["mean_evicted_per_step"] == R
 
 
 def test_every_request_scheduled_one_token(cell):
     _, seen, _ = cell
-    for arm in ("stock", "h2o"):
+    for arm in ARMS:
         assert len(seen[arm]) == STEPS
         for rec in seen[arm]:
             assert sorted(rec["scheduled"]) == [f"req-{i}" for i in range(R)]
@@ -83,20 +98,33 @@ def test_every_request_scheduled_one_token(cell):
             assert sorted(rec["reqs"]) == sorted(rec["scheduled"])  # all running, none preempted
 
 
-def test_vtoken_keeps_the_budget(cell):
+@pytest.mark.parametrize("arm", VT_ARMS)
+def test_vtoken_keeps_the_budget(cell, arm):
     _, seen, _ = cell
     prev_evictions = None
-    for rec in seen["h2o"]:
+    for rec in seen[arm]:
         assert rec["faults"] == 0
         for rid, r in rec["reqs"].items():
             # after the step: the budget kept by this step's eviction plus the token it appended
-            assert r["num_live"] == LIVE + 1, (rid, r)
-            assert r["blocks"] == r["vt_blocks"] == cdiv(LIVE + 1, bs.BLOCK_SIZE) == 3, (rid, r)
+            assert r["num_live"] == r["live_helper"] == LIVE + 1, (rid, r)
+            assert r["blocks"] == r["mgr_blocks"] == r["vt_blocks"] == cdiv(LIVE + 1, bs.BLOCK_SIZE) == 3, (rid, r)
             # vLLM's own count runs on: the logical context keeps growing
             assert r["computed"] == r["tokens"] - 1 > 2 * LIVE
         if prev_evictions is not None:
             assert rec["evictions"] - prev_evictions == R  # every request evicted in every step
         prev_evictions = rec["evictions"]
+
+
+def test_worker_mode_payload_carries_counts_only(cell):
+    _, seen, _ = cell
+    for rec in seen["h2o-worker"]:
+        pl = rec["payload"]
+        assert pl["evict"] == {f"req-{i}": 1 for i in range(R)}  # k = 1 for every request
+        assert pl["num_moves"] == 0  # the worker picks the victims and plans the moves
+        assert pl["score_steps"] == {}  # no statistics come back to the scheduler
+        assert set(pl["scores"]) == set(pl["evict"])  # the worker is still asked for H2O's col_sum
+    for rec in seen["h2o"]:  # decide_on: scheduler: moves, no counts
+        assert rec["payload"]["evict"] == {} and rec["payload"]["num_moves"] > 0
 
 
 def test_stock_blocks_follow_tokens(cell):
@@ -118,3 +146,50 @@ def test_worker_select_timing():
         pytest.skip(why)
     s = bs.time_select(R, LIVE + 1, reps=2, recent=LIVE // 2)
     assert s["num_requests"] == R and s["num_live"] == LIVE + 1 and s["median_ms"] > 0
+
+
+@pytest.mark.parametrize("policy", bs.WORKER_POLICIES)
+def test_worker_step(policy):
+    why = bs.worker_available()
+    if why:
+        pytest.skip(why)
+    w = bs.WorkerStep(policy, R, LIVE)
+    assert w.live_counts() == [LIVE + 1] * R
+    assert (w.col_sum is not None) == (policy == "h2o") and w.last_row is None
+    assert (w.sinks, w.recent) == ((0, LIVE // 2) if policy == "h2o" else (0, 0))
+    pos0 = [w.dec.logical_pos(i, w.table()[i]).tolist() for i in range(R)]
+    assert pos0 == [list(range(LIVE + 1))] * R
+    ev = w.step()
+    assert ev.new_live.tolist() == [LIVE] * R and sorted(ev.evicted_rows.tolist()) == list(range(R))
+    assert w.live_counts() == [LIVE + 1] * R  # after evict(1) + append(1): back to L + 1
+    for i in range(R):
+        pos = w.dec.logical_pos(i, w.table()[i]).tolist()
+        victim = int(ev.evicted_pos[ev.evicted_rows == i])
+        assert sorted(pos) == [p for p in range(LIVE + 2) if p != victim]  # the new token is position L + 1
+        assert victim < LIVE + 1 - w.recent  # never in the recent window
+    # each request's slots stay in its own blocks
+    nb = cdiv(LIVE + 1, bs.BLOCK_SIZE)
+    assert w.bt.tolist() == [list(range(i * nb, (i + 1) * nb)) for i in range(R)]
+
+
+@pytest.mark.parametrize("policy", bs.WORKER_POLICIES)
+def test_time_worker(policy):
+    why = bs.worker_available()
+    if why:
+        pytest.skip(why)
+    t = bs.time_worker(policy, R, LIVE, reps=3, threads=1)
+    assert t["policy"] == policy and t["device"] == "cpu" and t["threads"] == 1
+    assert t["num_requests"] == R and t["live"] == LIVE and t["num_live"] == LIVE + 1 and t["reps"] == 3
+    assert 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"]
+
+
+def test_worker_reps():
+    assert bs.worker_reps(10, 256, 2048) == 10
+    assert bs.worker_reps(10, 512, 8192) == 5 and bs.worker_reps(4, 512, 8192) == 3
+
+
+def test_arm_names():
+    assert bs.arm_policy("stock") == (None, "")
+    assert bs.arm_policy("h2o") == ("h2o", "scheduler")
+    assert bs.arm_policy("random-worker") == ("random", "worker")
+    assert [bs.arm_label(a) for a in bs.ARMS] == ["stock", "vT h2o", "vT random", "vT h2o@w", "vT random@w"]

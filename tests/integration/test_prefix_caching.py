@@ -212,5 +212,17 @@ def test_default_on_mrv2_async(tiny, default_run):
     _check_against_oracle(tiny, out, WARM + SEQUENCE + CONCURRENT, VT_DEFAULT, lag=SCORE_LAG["mrv2-async"])
 
 
+def test_worker_decisions_on_mrv2_async(tiny, default_run):
+    """``decide_on: worker`` (the worker picks the victims, no score lag): the same hits, sharers and
+    hashed-block contents (checked after every step), tokens equal the oracle with no lag."""
+    vt = dict(VT_DEFAULT, decide_on="worker")
+    out = _run(tiny, vt, WARM + SEQUENCE + CONCURRENT, "mrv2-async", digests=True)
+    assert out["paths"] == EXPECTED["mrv2-async"]
+    assert out["num_cached_tokens"] == default_run["num_cached_tokens"]
+    _check_sharers(out)
+    assert out["digest_checks"] > 0
+    _check_against_oracle(tiny, out, WARM + SEQUENCE + CONCURRENT, vt, lag=0)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

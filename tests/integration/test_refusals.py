@@ -1,6 +1,6 @@
 """What vToken refuses (issue 15, items 4, 5 and the README list), without an engine.
 
-* README's "What vToken refuses" block is exactly the one generated from
+* the "What vToken refuses" block of docs/configuration.md (README links to it) is exactly the one generated from
   ``refusals.REFUSALS``, and its rows parse back to the same set;
 * every start-up refusal in the table is raised somewhere in the code through
   :func:`refusals.refuse` (and nothing refuses outside the table);
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------------- README <-> table
 def _readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / refusals.REFUSALS_PAGE).read_text()
     i = text.index(refusals.README_BEGIN)
     j = text.index(refusals.README_END) + len(refusals.README_END)
     return text[i:j]
@@ -39,7 +39,7 @@ def _readme_block() -> str:
 
 def test_readme_block_is_generated_from_the_table():
     assert _readme_block() == refusals.readme_block(), (
-        "README.md's refusals block is stale: run `python -m vtoken.integrations.vllm.refusals`")
+        f"{refusals.REFUSALS_PAGE}'s refusals block is stale: run `python -m vtoken.integrations.vllm.refusals`")
 
 
 def test_readme_rows_parse_to_the_table():

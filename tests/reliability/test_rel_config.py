@@ -75,12 +75,10 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     "decide_on_bad": ({}, {"decide_on": "gpu"}, ["vtoken.decide_on", "'gpu'", "'scheduler' or 'worker'"]),
     "worker_naive": ({}, {"decide_on": "worker", "mode": "naive"},
                      ["vtoken.decide_on = 'worker'", "does not support", "vtoken.mode = 'naive'"]),
-    "worker_prefix_caching": ({"enable_prefix_caching": True}, {"decide_on": "worker"},
-                              ["vtoken.decide_on = 'worker'", "does not support", "prefix caching on",
-                               "--no-enable-prefix-caching"]),
 }
 OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None),
-            "worker": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64})}
+            "worker": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64}),
+            "worker_prefix_caching": ({"enable_prefix_caching": True}, {"decide_on": "worker"})}
 
 
 def _engine(model: str, extra: dict, vt) -> dict:

@@ -43,9 +43,13 @@ class BlockAccounting:
     def delta(self, request_id: str, num_tokens: int) -> int:
         """Tokens to subtract from a logical token count to get the slots to allocate."""
         st = self.states.get(request_id)
-        if st is None or st.table.offset == 0 and st.cfg.mode == "vtoken":
+        if st is None:
             return 0
-        phys = num_tokens - st.table.offset
+        table = st.table
+        offset = table.num_logical - table.num_live
+        if st.cfg.mode == "vtoken":
+            return offset
+        phys = num_tokens - offset
         if st.cfg.mode == "naive":
             bs = self.block_size
             extra_blocks = max(0, cdiv(num_tokens, bs) - cdiv(st.naive.num_logical, bs))

@@ -26,12 +26,15 @@ class WorkerSpec(NamedTuple):
         policy: the request's :class:`~vtoken.policies.base.EvictionPolicy` (a small dataclass;
             the worker uses its batched methods, grouping requests by policy).
         sink_tokens, recent_tokens, protected_prefix: its protections, in tokens.
+        cached_tokens: prefix-cache hit: its first tokens whose KV is already in its first
+            blocks (computed by an earlier request); the worker appends them with the step's.
     """
 
     policy: Any
     sink_tokens: int
     recent_tokens: int
     protected_prefix: int
+    cached_tokens: int = 0
 
 #: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot.
 ScoreMap = dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]

@@ -119,8 +119,6 @@ def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
     """``decide_on: worker`` is refused, by name, with what it does not cover yet (refusals.py)."""
     if cfg.mode == "naive":
         refusals.refuse("worker_decisions", "worker", "with vtoken.mode = 'naive'; use mode: vtoken")
-    if vcfg.cache_config.enable_prefix_caching:
-        refusals.refuse("worker_decisions", "worker", "with prefix caching on; pass --no-enable-prefix-caching")
     if worker_cls == platforms.CUDA_WORKER_CLS:
         refusals.refuse("worker_decisions", "worker", f"with the CUDA worker ({worker_cls})")
 

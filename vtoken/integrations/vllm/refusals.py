@@ -2,9 +2,9 @@
 
 :data:`REFUSALS` lists every option, model feature and request kind vToken refuses (each
 with the reason). vToken changes no vLLM setting: what it cannot follow it refuses.
-README's "What vToken refuses" block is generated from the table by
-:func:`readme_block` (``python -m vtoken.integrations.vllm.refusals`` prints it) and
-``tests/reliability/test_never_silent.py`` checks that the README holds exactly that block.
+The "What vToken refuses" block of ``docs/configuration.md`` (README links to it) is generated
+from the table by :func:`readme_block` (``python -m vtoken.integrations.vllm.refusals`` rewrites
+it in place) and ``tests/integration/test_refusals.py`` checks that the page holds exactly that block.
 Every start-up refusal is raised through :func:`refuse`, which takes a key of
 :data:`REFUSALS`, so the code cannot refuse something the table (and so the README) does
 not list.
@@ -93,11 +93,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("scheduler_cls", "--scheduler-cls", "start-up",
             "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
             "async scheduling)"),
-    Refusal("worker_decisions", "vtoken.decide_on = worker, with mode naive, prefix caching or the CUDA worker",
-            "start-up",
-            "the worker-side decisions are built and tested for the CPU worker's repack without prefix caching so "
-            "far: Naive-Evict's dead-block counts and the clean prefix prefix caching hashes would need the evicted "
-            "positions back from the worker; use decide_on: scheduler (the default) for these"),
+    Refusal("worker_decisions", "vtoken.decide_on = worker, with mode naive or the CUDA worker", "start-up",
+            "Naive-Evict's dead-block counts would need each eviction's positions back from the worker, and the "
+            "worker-side decisions have not run on a GPU yet; use decide_on: scheduler (the default) for these"),
     Refusal("streaming_input", "streaming-input (resumable) requests", "request",
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),
@@ -284,7 +282,11 @@ def readme_block() -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: str = "README.md") -> None:
+#: the page that holds the refusals block (README.md links to it)
+REFUSALS_PAGE = "docs/configuration.md"
+
+
+def write_readme(path: str = REFUSALS_PAGE) -> None:
     """Replace the block between the markers of ``path`` with :func:`readme_block`."""
     with open(path) as f:
         text = f.read()
@@ -296,7 +298,7 @@ def write_readme(path: str = "README.md") -> None:
 if __name__ == "__main__":
     import sys
 
-    # ``python -m vtoken.integrations.vllm.refusals`` rewrites README.md's block in place
+    # ``python -m vtoken.integrations.vllm.refusals`` rewrites REFUSALS_PAGE's block in place
     # (run from the repository root); ``--print`` prints the block instead.
     if "--print" in sys.argv[1:]:
         print(readme_block())

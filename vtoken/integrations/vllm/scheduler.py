@@ -100,6 +100,10 @@ class VTokenSchedulerMixin:
         #: decide_on: worker: this scheduler computes only how many tokens each request evicts
         #: (counts, CountTable); the worker picks which (docs/device-decisions.md)
         self._vt_worker: bool = self.vt_cfg.decide_on == "worker"
+        self._vt_is_async: bool = isinstance(self, AsyncScheduler)
+        self._vt_gauges_at = float("-inf")
+        #: requests the stock schedule() preempted in this step (decide_on: worker drops their evictions)
+        self._vt_preempted_now: set[str] = set()
         self._vt_lag = SCORE_LAG_ASYNC if isinstance(self, AsyncScheduler) and not self._vt_worker else SCORE_LAG_SYNC
         self._vt_req_cfg: dict[str, Optional[VTokenConfig]] = {}
         self._vt_offset_updates: dict[str, int] = {}
@@ -198,6 +202,9 @@ class VTokenSchedulerMixin:
             lag=ScoreLagQueue(self._vt_lag), first_evict=first_evicting_decode_step(pol.needs, self._vt_lag),
         )
         st.may_evict = self._vt_may_evict(cfg, request)
+        st.score_need = pol.needs.value
+        st.score_every = cfg.score_every
+        st.recent = pol.recent_tokens
         # Prefix-cache hit: num_computed_tokens already counts this step's tokens. The hit
         # tokens sit in the request's first blocks (slots == positions), computed by others.
         hit = max(0, request.num_computed_tokens - scheduled)
@@ -209,6 +216,7 @@ class VTokenSchedulerMixin:
         if self._vt_caching and st.may_evict:
             bs = self._vt_bs
             st.protected = max(self._vt_prompt_protected(cfg, request), hit // bs * bs)
+        st.floor = max(pol.sink_tokens, st.protected)
         self._vt_states[rid] = st
         if self._vt_worker:
             self._vt_new_states[rid] = st
@@ -275,6 +283,8 @@ class VTokenSchedulerMixin:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, *args, **kwargs):
+        if self._vt_worker:
+            return self._vt_schedule_counts(*args, **kwargs)
         payload = StepPayload()
         # this step's moves per planning request, kept apart until the stock schedule() ran
         srcs: list[np.ndarray] = []
@@ -308,7 +318,7 @@ class VTokenSchedulerMixin:
             try:
                 st.evict_log.append((st.decode_steps + 1, k))
                 if self._vt_worker:
-                    self._vt_evict_count(req.request_id, st, k, payload, move_by)
+                    self._vt_evict_count(req.request_id, st, k, payload)
                 else:
                     self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by)
             except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
@@ -318,7 +328,7 @@ class VTokenSchedulerMixin:
         out = super().schedule(*args, **kwargs)
 
         if self._vt_worker:
-            self._vt_collect_counts(payload, move_by)
+            self._vt_collect_counts(payload)
         else:
             self._vt_collect_moves(payload, srcs, dsts, move_by)
 
@@ -332,7 +342,8 @@ class VTokenSchedulerMixin:
             payload.offsets = self._vt_offset_updates
             self._vt_offset_updates = {}
         if self._vt_new_states:
-            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected)
+            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
+                                              st.cached_tokens)
                               for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
             self._vt_new_states = {}
         out.vtoken = None if payload.is_empty() else payload
@@ -351,6 +362,118 @@ class VTokenSchedulerMixin:
             rec = trace_record(self._vt_step_no - 1, self.kv_cache_manager.block_pool.get_num_free_blocks(),
                                payload.num_moves, out.num_scheduled_tokens, self._vt_mgr.req_to_blocks,
                                self._vt_states, self._vt_accounting)
+            self._vt_trace.write(json.dumps(rec) + "\n")
+        return out
+
+    #: decide_on: worker: gauges and metrics are refreshed at most this often (seconds), and
+    #: whenever the scheduler goes idle; Prometheus scrapes far less often
+    GAUGE_INTERVAL_S = 0.05
+
+    def _vt_schedule_counts(self, *args, **kwargs):
+        """``schedule()`` under ``decide_on: worker``: integers only, a few per request.
+
+        Per running request past its prefill: ``k`` from fixed pacing (or the pressure plan), the
+        count-only eviction (:meth:`_vt_evict_count`); then the stock ``schedule()``; then per
+        scheduled request the count of its new tokens, whether it scores, and its lifetime block
+        figures (``_vt_after_scheduled`` in counts, inline: no refill, since a preempted request
+        restarts, and no Naive-Evict figures, since the worker keeps the positions). Nothing here
+        touches a token.
+        """
+        payload = StepPayload()
+        t0 = time.perf_counter()
+        states = self._vt_states
+        is_async = self._vt_is_async
+        self._vt_preempted_now.clear()
+        if self.vt_cfg.pacing == "pressure":
+            eligible = []
+            for order, req in enumerate(self.running):
+                st = states.get(req.request_id)
+                if st is not None and st.decoding and st.may_evict and not st.faulted and not (
+                        is_async and self._vt_done_in_flight(req)):
+                    eligible.append((order, req, st))
+            plan = self._vt_pressure_plan(eligible)
+            for _, req, st in eligible:
+                k = plan.get(req.request_id, 0)
+                if k > 0:
+                    st.evict_log.append((st.decode_steps + 1, k))
+                    try:
+                        self._vt_evict_count(req.request_id, st, k, payload)
+                    except Exception as e:  # noqa: BLE001 - confined to this request
+                        self._vt_fault(req.request_id, st, e)
+        else:
+            for req in self.running:
+                rid = req.request_id
+                st = states.get(rid)
+                if st is None or not st.decoding or not st.may_evict or st.faulted:
+                    continue
+                live = st.table.num_live
+                if live <= st.budget + st.slack or (is_async and self._vt_done_in_flight(req)):
+                    continue
+                k = live - st.budget
+                st.evict_log.append((st.decode_steps + 1, k))
+                try:
+                    self._vt_evict_count(rid, st, k, payload)
+                except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
+                    self._vt_fault(rid, st, e)
+        self.vt_stats.repack_seconds += time.perf_counter() - t0
+
+        out = super().schedule(*args, **kwargs)
+
+        self._vt_collect_counts(payload)
+        requests = self.requests
+        req_to_blocks = self._vt_mgr.req_to_blocks
+        scores = payload.scores
+        bs = self._vt_bs
+        for rid, n in out.num_scheduled_tokens.items():
+            # _vt_after_scheduled in counts, inline (it runs for every scheduled request)
+            st = states.get(rid)
+            req = requests.get(rid)
+            if st is None:
+                st = self._vt_state(req, n) if req is not None and n > 0 else None
+                if st is None:
+                    continue
+            table = st.table
+            table.num_live += n
+            table.num_logical += n
+            if st.decoding:
+                st.decode_steps += 1
+                if st.score_need and st.may_evict and not st.faulted and st.decode_steps % st.score_every == 0:
+                    scores[rid] = st.score_need
+            else:
+                if st.score_need and st.may_evict and not st.faulted:
+                    scores[rid] = st.score_need
+                # every token has KV once this step ran: the step samples, the prefill is done
+                st.decoding = req.num_computed_tokens >= req.num_tokens
+            held = len(req_to_blocks.get(rid, ()))
+            full_b = -(-table.num_logical // bs)
+            st.steps += 1
+            st.held_block_steps += held
+            if held > st.peak_blocks:
+                st.peak_blocks = held
+            st.full_block_steps += full_b
+            if full_b > st.full_peak_blocks:
+                st.full_peak_blocks = full_b
+        if self._vt_offset_updates:
+            payload.offsets = self._vt_offset_updates
+            self._vt_offset_updates = {}
+        if self._vt_new_states:
+            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
+                                              st.cached_tokens)
+                              for rid, st in self._vt_new_states.items() if states.get(rid) is st}
+            self._vt_new_states = {}
+        out.vtoken = None if payload.is_empty() else payload
+        now = time.monotonic()
+        if now - self._vt_gauges_at >= self.GAUGE_INTERVAL_S:
+            self._vt_gauges_at = now
+            self._vt_update_gauges()
+            self._vt_metrics.update(self.vt_stats)
+        self._vt_step_no += 1
+        if self._vt_check:
+            self.vt_check_invariants(out)
+        self._vt_freed_this_step = []
+        if self._vt_trace is not None:
+            rec = trace_record(self._vt_step_no - 1, self.kv_cache_manager.block_pool.get_num_free_blocks(), 0,
+                               out.num_scheduled_tokens, self._vt_mgr.req_to_blocks, states, self._vt_accounting)
             self._vt_trace.write(json.dumps(rec) + "\n")
         return out
 
@@ -390,34 +513,43 @@ class VTokenSchedulerMixin:
             payload.kept_blocks[rid] = [b.block_id for b in self._vt_mgr.req_to_blocks[rid]]
         return len(tail)
 
-    def _vt_collect_counts(self, payload: StepPayload, move_by: list[tuple[str, RequestState, int]]) -> None:
+    def _vt_collect_counts(self, payload: StepPayload) -> None:
         """``decide_on: worker``: drop the eviction of a request that the stock ``schedule()``
         preempted after it was planned (its blocks are back in the pool; its state was dropped
         and it restarts from its prompt, so the worker must not touch its old slots)."""
-        for rid, st, gen in move_by:
-            if self._vt_states.get(rid) is not st or st.generation != gen:
-                self.vt_stats.moves_dropped_preempted += payload.evict.pop(rid, 0)
-                payload.truncate.pop(rid, None)
-                payload.kept_blocks.pop(rid, None)
+        for rid in self._vt_preempted_now:
+            self.vt_stats.moves_dropped_preempted += payload.evict.pop(rid, 0)
+            payload.truncate.pop(rid, None)
+            payload.kept_blocks.pop(rid, None)
+        self._vt_preempted_now.clear()
 
-    def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload,
-                        move_by: list[tuple[str, RequestState, int]]) -> None:
+    def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload) -> None:
         """``decide_on: worker``: evict ``k`` tokens of ``rid`` in counts; the worker picks which.
 
-        ``k`` is capped at the tokens no protection covers (:func:`vtoken.protocol.evictable`),
-        which is what the worker's selection evicts; the request's tail blocks past
+        ``k`` is capped at the tokens no protection covers (:func:`vtoken.protocol.evictable`,
+        inline), which is what the worker's selection evicts; the request's tail blocks past
         ``cdiv(live + 1, B)`` go back to the pool now, as under ``decide_on: scheduler``.
+        Prefix caching: positions below ``max(sinks, protected)`` are never evicted and their
+        slots never written (slot == position there), so the clean prefix hashed at finish is at
+        least that long; the worker keeps which positions went, so that bound is the one used.
         """
         table = st.table
-        pol = st.policy
-        k = min(k, evictable(table.num_live, table.num_logical, pol.sink_tokens, pol.recent_tokens, st.protected))
+        live = table.num_live
+        bound = st.floor  # max(sink_tokens, protected): positions below it are never evicted
+        p = min(bound, table.num_logical, live)
+        k = min(k, live - p - min(st.recent, live - p))
         if k <= 0:
             return
-        table.evict(k)
+        live -= k
+        table.num_live = live
         payload.evict[rid] = k
-        move_by.append((rid, st, st.generation))
-        freed = self._vt_free_tail(rid, st, payload)
-        self._vt_offset_updates[rid] = table.offset
+        if st.clean_len is None or st.clean_len > bound:
+            st.clean_len = min(table.num_logical, bound)
+            st.min_dst_slot = min(st.min_dst_slot, bound)
+        freed = 0
+        if len(self._vt_mgr.req_to_blocks[rid]) > -(-(live + 1) // self._vt_bs):
+            freed = self._vt_free_tail(rid, st, payload)
+        self._vt_offset_updates[rid] = table.num_logical - live
         st.evicted += k
         s = self.vt_stats
         s.evicted_tokens += k
@@ -628,6 +760,7 @@ class VTokenSchedulerMixin:
         0 and re-prefills everything, as stock).
         """
         super()._preempt_request(request, *args, **kwargs)
+        self._vt_preempted_now.add(request.request_id)
         st = self._vt_states.get(request.request_id)
         if st is not None and st.resuming:
             request.num_computed_tokens = st.table.offset

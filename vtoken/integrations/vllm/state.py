@@ -63,6 +63,13 @@ class RequestState:
     may_evict: bool = True
     #: set when a fault confined to this request turned its eviction off (it keeps running).
     faulted: bool = False
+    #: ``policy.needs.value`` (the ``AttentionNeed`` bits a scored step asks for; 0: none)
+    score_need: int = 0
+    #: copies the per-step code reads (``cfg.score_every``, ``policy.recent_tokens``,
+    #: ``max(policy.sink_tokens, protected)``: positions below it are never evicted)
+    score_every: int = 1
+    recent: int = 0
+    floor: int = 0
     #: prefix caching: the first ``protected`` logical positions are never evicted (tokens,
     #: a multiple of the block size): the blocks the request got from the prefix cache and,
     #: with ``protect_cached_prefix``, its own full prompt blocks. Slots ``< protected`` hold
@@ -125,10 +132,12 @@ class RequestState:
     def lifetime(self, req_id: str) -> dict[str, Any]:
         """The finished request's lifetime figures (blocks are time averages over its steps)."""
         n = max(self.steps, 1)
+        counts_only = not hasattr(self.table, "logical_pos")  # decide_on: worker: no Naive-Evict figures
         return dict(
             req_id=req_id, steps=self.steps, mode=self.cfg.mode, policy=self.cfg.policy, budget=self.budget,
             prompt_len=self.prompt_len, avg_blocks=self.held_block_steps / n, peak_blocks=self.peak_blocks,
-            naive_avg_blocks=self.naive_block_steps / n, naive_peak_blocks=self.naive_peak_blocks,
+            naive_avg_blocks=None if counts_only else self.naive_block_steps / n,
+            naive_peak_blocks=None if counts_only else self.naive_peak_blocks,
             full_avg_blocks=self.full_block_steps / n, full_peak_blocks=self.full_peak_blocks,
             evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
             protected=self.protected, cached_tokens=self.cached_tokens,

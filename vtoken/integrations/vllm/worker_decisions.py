@@ -141,7 +141,11 @@ class WorkerDecisions:
             if got is not None:
                 got[0].nblocks[got[1]] = min(keep, int(got[0].nblocks[got[1]]))
         self._take_block_ids(scheduler_output)
-        self._append(scheduler_output.num_scheduled_tokens)
+        counts = dict(scheduler_output.num_scheduled_tokens)
+        for rid, spec in payload.states.items():  # a prefix-cache hit: its cached tokens first
+            if spec.cached_tokens:
+                counts[rid] = counts.get(rid, 0) + spec.cached_tokens
+        self._append(counts)
         return moves
 
     def _by_group(self, rids) -> dict[int, tuple[_Group, list[int], list[str]]]:
