@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import json, resource, subprocess, sys
 spec, out, untiled = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-code = ("import sys, vtoken.integrations.vllm.scoring as s\n"
+code = ("import sys, vtoken.integrations.vllm.worker.scoring as s\n"
         + ("s.TILE_ELEMS = 1 << 62\n" if untiled else "")
         + "from drivers.harness import main\nsys.exit(main(sys.argv[1:]))\n")
 p = subprocess.run([sys.executable, "-c", code, spec, out])

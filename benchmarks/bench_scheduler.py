@@ -192,7 +192,7 @@ def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: 
     if arm == "stock":
         cls = Scheduler
     else:
-        from vtoken.integrations.vllm.scheduler import VTokenScheduler as cls
+        from vtoken.integrations.vllm.sched.scheduler import VTokenScheduler as cls
     return cls(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
                block_size=block_size, log_stats=False)
 

@@ -69,7 +69,8 @@ class SplitHooks(RunHooks):
     """Times the parts of every engine step (see the module docstring); in the harness process."""
 
     def attach(self, engine, sched) -> None:
-        from vtoken.integrations.vllm import scoring, worker_core
+        from vtoken.integrations.vllm.worker import scoring
+        from vtoken.integrations.vllm.worker import core as worker_core
 
         self.steps: list[dict[str, float]] = []
         self.cur: dict[str, float] = {}

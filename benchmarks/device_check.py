@@ -11,7 +11,8 @@ time is recorded as such and the next one still runs), writing the JSON after ev
    Llama-3-8B-shaped and a SmolLM2-shaped cache (``LBNHC`` and ``LBHNC``) against a plain
    device-to-device copy of the same number of bytes;
 3. a scorer timing: one layer of the two-phase scorer on a decode batch and a prefill chunk,
-   with its achieved K-read bandwidth, next to the PyTorch reference;
+   with its achieved K-read bandwidth, next to the PyTorch reference; and ``decide_on: worker``'s
+   per-step decider work (observe, evict, append) at 256 / 512 requests x 2,048 / 8,192 tokens;
 4. the oracle matrix on the CUDA worker (FlashAttention, vLLM's default runner and scheduling):
    5 policies x 3 budgets x 2 prompt lengths on the tiny model (built locally, no network), once
    with ``cudagraph_mode=NONE`` (eager, same compilation) and once with vLLM's default CUDA graphs
@@ -239,6 +240,21 @@ NEW_TOKENS = 64
 BASE_VTOKEN = {"policy": "h2o", "budget": 45}
 
 
+def bench_worker_decider() -> list[dict[str, Any]]:
+    """``decide_on: worker``'s per-step work on the GPU: one ``DeviceDecider`` step (observe for
+    H2O, evict ``k = 1`` per request, append one token) for 256 and 512 requests x 2,048 and 8,192
+    live tokens (``benchmarks/bench_scheduler.py``'s ``time_worker``, CUDA-synchronised)."""
+    from bench_scheduler import time_worker
+
+    rows = []
+    for policy in ("h2o", "random"):
+        for r in (256, 512):
+            for live in (2048, 8192):
+                rows.append(time_worker(policy, r, live, device="cuda", reps=10))
+                print(f"worker decider {policy} {r} x {live}: {rows[-1]['median_ms']:.3f} ms")
+    return rows
+
+
 def _prompt(i: int, n: int, vocab: int = 250) -> list[int]:
     return [((i + 3) * 37 + j * (11 + i % 5)) % vocab + 1 for j in range(n)]
 
@@ -363,7 +379,7 @@ def run_oracle_matrix(deadline: Deadline, part_s: float) -> dict[str, Any]:
         _TOKENS[n] = runs[n].pop("tokens", None)
     _TOKENS["env"] = res["env"]
     runner = (runs.get("cuda_graphs", {}).get("paths") or {}).get("runner") or ""
-    res["runner_is_vtoken_gpu"] = runner.startswith("vtoken.integrations.vllm.gpu_runner.")
+    res["runner_is_vtoken_gpu"] = runner.startswith("vtoken.integrations.vllm.worker.gpu_runner.")
     res["ok"] = (bool(res.get("tokens_equal")) and res["full_graph_on_scored_steps"] == 0
                  and route.get("scored", 0) > 0 and res["runner_is_vtoken_gpu"])
     return res
@@ -541,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_bench:
         part("move_bandwidth", bench_moves, lambda r: bool(r))
         part("scorer", bench_scorer, lambda r: bool(r))
+        part("worker_decider", bench_worker_decider, lambda r: bool(r))
     if not args.skip_engine:
         part("oracle_matrix", lambda: run_oracle_matrix(deadline, PART_S["oracle_matrix"]), lambda r: r["ok"])
         part("step_time", lambda: run_step_time(deadline, PART_S["step_time"]), lambda r: r["ok"])

@@ -28,14 +28,14 @@ PATHS = list(_ENV)
 
 #: what the harness must report for each path (scheduler class, runner class, async, batch queue)
 EXPECTED = {
-    "v1-sync": dict(scheduler="vtoken.integrations.vllm.scheduler.VTokenScheduler",
-                    runner="vtoken.integrations.vllm.runner_v1.VTokenCPUModelRunner",
+    "v1-sync": dict(scheduler="vtoken.integrations.vllm.sched.scheduler.VTokenScheduler",
+                    runner="vtoken.integrations.vllm.worker.runner_v1.VTokenCPUModelRunner",
                     use_v2_model_runner=False, async_scheduling=False, batch_queue=1),
-    "mrv2-sync": dict(scheduler="vtoken.integrations.vllm.scheduler.VTokenScheduler",
-                      runner="vtoken.integrations.vllm.runner_v2.VTokenCPUModelRunnerV2",
+    "mrv2-sync": dict(scheduler="vtoken.integrations.vllm.sched.scheduler.VTokenScheduler",
+                      runner="vtoken.integrations.vllm.worker.runner_v2.VTokenCPUModelRunnerV2",
                       use_v2_model_runner=True, async_scheduling=False, batch_queue=1),
-    "mrv2-async": dict(scheduler="vtoken.integrations.vllm.scheduler.VTokenAsyncScheduler",
-                       runner="vtoken.integrations.vllm.runner_v2.VTokenCPUModelRunnerV2",
+    "mrv2-async": dict(scheduler="vtoken.integrations.vllm.sched.scheduler.VTokenAsyncScheduler",
+                       runner="vtoken.integrations.vllm.worker.runner_v2.VTokenCPUModelRunnerV2",
                        use_v2_model_runner=True, async_scheduling=True, batch_queue=2),
 }
 

@@ -148,9 +148,9 @@ def test_policy_classes_are_the_registered_ones():
 
 
 def test_metrics_table_is_generated_from_metrics_py():
-    from vtoken.integrations.vllm.metrics import COUNTERS, GAUGES, metrics_table_markdown
+    from vtoken.integrations.vllm.sched.metrics import COUNTERS, GAUGES, metrics_table_markdown
 
-    table = _generated(_config_doc(), "vtoken.integrations.vllm.metrics.metrics_table_markdown()")
+    table = _generated(_config_doc(), "vtoken.integrations.vllm.sched.metrics.metrics_table_markdown()")
     assert table == metrics_table_markdown()
     assert len(table.strip().splitlines()) == 2 + len(GAUGES) + len(COUNTERS)
 
@@ -200,9 +200,9 @@ def _tracked() -> set[str]:
 
 def _exists(tok: str, doc: Path, tracked: set[str]) -> bool:
     tok = tok.rstrip("/")
-    if "/" in tok:
-        return (doc.parent / tok).exists() or (ROOT / tok).exists() or (ROOT / "benchmarks" / tok).exists()
-    # a bare file name: some file of the repository has it
+    if "/" in tok and ((doc.parent / tok).exists() or (ROOT / tok).exists() or (ROOT / "benchmarks" / tok).exists()):
+        return True
+    # a bare file name or a path tail (e.g. `worker/core.py`): some file of the repository ends with it
     return any(t == tok or t.endswith("/" + tok) for t in tracked)
 
 

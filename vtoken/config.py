@@ -237,7 +237,7 @@ class RequestOverrides(BaseModel):
     ``null`` is refused (leave the key out instead). The one coercion is ``vtoken_enable``'s
     (0/1 and "true"/"false"), because vLLM's request model turns JSON booleans into ints.
     A budget above ``max_model_len`` is refused by the front end
-    (:func:`vtoken.integrations.vllm.frontend.check_request`): no request can hold more.
+    (:func:`vtoken.integrations.vllm.frontend.requests.check_request`): no request can hold more.
 
     One rule for both paths: ``vtoken_budget`` and ``vtoken_policy`` are validated exactly
     as the engine's ``budget`` and ``policy`` (same coercions, same refusals, same message

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from vtoken.integrations.vllm.scoring import StepScores, prefill_stats
+from vtoken.integrations.vllm.worker.scoring import StepScores, prefill_stats
 from vtoken.policies.base import AttentionNeed
 
 

@@ -35,7 +35,7 @@ from vtoken.kernels.score import (
 )
 from vtoken.policies.base import AttentionNeed
 
-from vtoken.integrations.vllm.scoring import StepScores
+from vtoken.integrations.vllm.worker.scoring import StepScores
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
@@ -126,7 +126,7 @@ def score_rows(reqs, qsl):
 
 
 def run_step_scores(batch, reqs, hq, hkv, hd):
-    from vtoken.integrations.vllm.kv_layout import CPUKVLayout, TokenLayout
+    from vtoken.integrations.vllm.worker.kv_layout import CPUKVLayout, TokenLayout
 
     bs = batch["cpu_caches"][0].shape[2]
     ident = torch.arange(bs * hd).view(bs, hd)

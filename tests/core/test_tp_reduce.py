@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
 
 HEADS = (3, 1)
 LENS = {"a": 5, "b": 7, "c": 4}

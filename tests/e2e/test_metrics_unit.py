@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from vtoken.integrations.vllm.metrics import COUNTERS, GAUGES, VTokenMetrics
-from vtoken.integrations.vllm.scheduler import VTokenStats
+from vtoken.integrations.vllm.sched.metrics import COUNTERS, GAUGES, VTokenMetrics
+from vtoken.integrations.vllm.sched.scheduler import VTokenStats
 
 
 def _val(name: str, engine: str) -> float:

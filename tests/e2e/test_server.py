@@ -249,7 +249,7 @@ def test_budget_at_max_model_len_is_accepted(server):
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_beam_search_refused_by_name(server, kind):
-    from vtoken.integrations.vllm.frontend import BEAM_SEARCH_REFUSAL
+    from vtoken.integrations.vllm.frontend.requests import BEAM_SEARCH_REFUSAL
 
     body = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0, use_beam_search=True, n=3)
     if kind == "completion":

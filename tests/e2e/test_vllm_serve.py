@@ -22,7 +22,7 @@ import pytest
 from e2e_server import MODEL_NAME, expected_counters, run_server, vllm_cli
 from vtoken.config import parse_config
 from drivers import launcher
-from vtoken.integrations.vllm.metrics import COUNTERS, GAUGES
+from vtoken.integrations.vllm.sched.metrics import COUNTERS, GAUGES
 from vtoken.oracle import oracle_generate
 
 BUDGET = 48
@@ -60,8 +60,8 @@ def test_vllm_serve_help():
 
 @pytest.mark.parametrize("vt, want", [
     ({"budget": -1}, "vtoken: error: vtoken.budget = -1: Input should be greater than or equal to 1"),
-    ({"bugdet": 64}, "vtoken: error: vtoken.bugdet = 64: unknown key; allowed: ['budget', 'budget_ratio', 'mode', "
-                     "'pacing', 'policy', 'policy_args', 'protect_cached_prefix', 'recent_tokens', 'score_every', "
+    ({"bugdet": 64}, "vtoken: error: vtoken.bugdet = 64: unknown key; allowed: ['budget', 'budget_ratio', 'decide_on', "
+                     "'mode', 'pacing', 'policy', 'policy_args', 'protect_cached_prefix', 'recent_tokens', 'score_every', "
                      "'seed', 'sink_tokens', 'slack', 'watermark_blocks', 'watermark_fraction']"),
 ])
 def test_vllm_serve_bad_config_one_line(tiny_model, vt, want):

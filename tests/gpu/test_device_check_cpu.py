@@ -29,7 +29,7 @@ def test_engines_are_ones_the_cuda_worker_accepts():
     import torch
     from vllm.config.attention import AttentionConfig
 
-    from vtoken.integrations.vllm import platforms
+    from vtoken.integrations.vllm.frontend import platforms
 
     dc = _load()
     eager, graphs = dc.engine_kw("m", eager=True), dc.engine_kw("m", eager=False)

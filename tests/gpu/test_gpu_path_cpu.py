@@ -18,8 +18,9 @@ from types import SimpleNamespace
 import pytest
 
 from vtoken.config import VTokenConfigError
-from vtoken.integrations.vllm import cudagraphs, platforms
-from vtoken.integrations.vllm.refusals import REFUSALS
+from vtoken.integrations.vllm.worker import cudagraphs
+from vtoken.integrations.vllm.frontend import platforms
+from vtoken.integrations.vllm.frontend.refusals import REFUSALS
 
 
 def _row(key):
@@ -65,13 +66,13 @@ def _backend_msg(name, detail=None):
 # ---------------------------------------------------------------------- platforms and backends
 def test_cpu_platform_picks_cpu_worker():
     assert platforms.check_platform(_vcfg(block_size=32), FakePlatform("cpu")) == \
-        "vtoken.integrations.vllm.worker.VTokenCPUWorker"
+        "vtoken.integrations.vllm.worker.cpu_worker.VTokenCPUWorker"
 
 
 @pytest.mark.parametrize("backend", [None, "FLASH_ATTN", "auto"])
 def test_cuda_flash_attn_accepted(backend):
     assert platforms.check_platform(_vcfg(backend), FakePlatform("cuda")) == \
-        "vtoken.integrations.vllm.gpu_worker.VTokenGPUWorker"
+        "vtoken.integrations.vllm.worker.gpu_worker.VTokenGPUWorker"
 
 
 @pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER_MLA", "TURBOQUANT"])

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from vllm_kv_views import ALL_LAYOUTS, vllm_kv_views  # noqa: E402
 
 from vtoken.config import VTokenConfigError  # noqa: E402
-from vtoken.integrations.vllm.kv_layout import PagedKVLayout, flash_attn_kv_layout  # noqa: E402
+from vtoken.integrations.vllm.worker.kv_layout import PagedKVLayout, flash_attn_kv_layout  # noqa: E402
 from vtoken.integrations.vllm.payload import StepPayload  # noqa: E402
 from vtoken.policies.base import AttentionNeed  # noqa: E402
 
@@ -120,8 +120,8 @@ def _score_case(seed=0):
 
 
 def test_gpu_step_scores_equal_cpu_step_scores():
-    from vtoken.integrations.vllm.gpu_runner import GPUStepScores
-    from vtoken.integrations.vllm.scoring import StepScores
+    from vtoken.integrations.vllm.worker.gpu_runner import GPUStepScores
+    from vtoken.integrations.vllm.worker.scoring import StepScores
 
     views, meta, query, impl, rows, qsl, n = _score_case()
     lay = PagedKVLayout("LBNHC")
@@ -144,7 +144,7 @@ def test_gpu_step_scores_equal_cpu_step_scores():
 
 # ---------------------------------------------------------------------- worker core
 def _core(views, layout="LBNHC"):
-    from vtoken.integrations.vllm.gpu_runner import VTokenGPUWorkerCore
+    from vtoken.integrations.vllm.worker.gpu_runner import VTokenGPUWorkerCore
 
     fc = {f"layer.{i}": SimpleNamespace(kv_cache=v, impl=SimpleNamespace()) for i, v in enumerate(views)}
     return VTokenGPUWorkerCore(fc, PagedKVLayout(layout), lambda: (np.zeros(1), np.zeros(0)))
@@ -174,8 +174,8 @@ def test_core_moves_all_layers_in_one_launch_and_records_offsets():
 def test_kernel_block_split_refused():
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vtoken.integrations.vllm.gpu_runner import check_caches
-    from vtoken.integrations.vllm.refusals import REFUSALS
+    from vtoken.integrations.vllm.worker.gpu_runner import check_caches
+    from vtoken.integrations.vllm.frontend.refusals import REFUSALS
 
     _, views = _views(KVCacheLayout.LBNHC, layers=2, bs=32, kernel_block_size=16)
     core = _core(views)
@@ -189,7 +189,7 @@ def test_kernel_block_split_refused():
 
 
 def test_pinned_staging_cpu_copy_and_bounds():
-    from vtoken.integrations.vllm.gpu_runner import PinnedStaging
+    from vtoken.integrations.vllm.worker.gpu_runner import PinnedStaging
 
     st = PinnedStaging()
     dst = torch.full((5,), -1, dtype=torch.int32)
@@ -201,7 +201,7 @@ def test_pinned_staging_cpu_copy_and_bounds():
 
 # ---------------------------------------------------------------------- runners' physical inputs
 def _v2_runner(offsets: dict[str, int]):
-    from vtoken.integrations.vllm.gpu_runner import VTokenGPUModelRunnerV2
+    from vtoken.integrations.vllm.worker.gpu_runner import VTokenGPUModelRunnerV2
 
     r = VTokenGPUModelRunnerV2.__new__(VTokenGPUModelRunnerV2)
     r.max_num_reqs, r.max_num_tokens, r.device = 8, 64, torch.device("cpu")
@@ -249,7 +249,7 @@ def test_v2_physical_positions_and_host_lengths():
 
 
 def test_v1_physical_inputs_in_place():
-    from vtoken.integrations.vllm.gpu_runner import VTokenGPUModelRunner
+    from vtoken.integrations.vllm.worker.gpu_runner import VTokenGPUModelRunner
 
     r = VTokenGPUModelRunner.__new__(VTokenGPUModelRunner)
     r.max_num_reqs, r.max_num_tokens, r.device = 8, 64, torch.device("cpu")
@@ -274,8 +274,8 @@ def test_v1_physical_inputs_in_place():
 def test_worker_builds_the_runner_vllm_picked(monkeypatch, v2, encoder_only, want):
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vtoken.integrations.vllm import gpu_runner
-    from vtoken.integrations.vllm.gpu_worker import VTokenGPUWorker
+    from vtoken.integrations.vllm.worker import gpu_runner
+    from vtoken.integrations.vllm.worker.gpu_worker import VTokenGPUWorker
 
     made = []
     for name in ("VTokenGPUModelRunner", "VTokenGPUModelRunnerV2"):
@@ -319,8 +319,8 @@ def test_cuda_core_moves_one_launch_from_pinned_staging():
 
 @cuda
 def test_cuda_gpu_step_scores_equal_cpu_step_scores():
-    from vtoken.integrations.vllm.gpu_runner import GPUStepScores
-    from vtoken.integrations.vllm.scoring import StepScores
+    from vtoken.integrations.vllm.worker.gpu_runner import GPUStepScores
+    from vtoken.integrations.vllm.worker.scoring import StepScores
 
     views, meta, query, impl, rows, qsl, n = _score_case(1)
     lay = PagedKVLayout("LBNHC")

@@ -12,7 +12,7 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from vtoken.integrations.vllm.kv_layout import (  # noqa: E402
+from vtoken.integrations.vllm.worker.kv_layout import (  # noqa: E402
     CPUKVLayout, TokenLayout, _regions, gather_keys_cpu, move_tokens_cpu, probe_cpu_layout)
 
 

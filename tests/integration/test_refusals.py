@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 
 from vtoken.config import VTokenConfigError
-from vtoken.integrations.vllm import refusals
-from vtoken.integrations.vllm.refusals import REFUSALS, model_attention_features
+from vtoken.integrations.vllm.frontend import refusals
+from vtoken.integrations.vllm.frontend.refusals import REFUSALS, model_attention_features
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def _readme_block() -> str:
 
 def test_readme_block_is_generated_from_the_table():
     assert _readme_block() == refusals.readme_block(), (
-        f"{refusals.REFUSALS_PAGE}'s refusals block is stale: run `python -m vtoken.integrations.vllm.refusals`")
+        f"{refusals.REFUSALS_PAGE}'s refusals block is stale: run `python -m vtoken.integrations.vllm.frontend.refusals`")
 
 
 def test_readme_rows_parse_to_the_table():
@@ -51,7 +51,7 @@ def test_readme_rows_parse_to_the_table():
 
 def _code() -> str:
     d = ROOT / "vtoken" / "integrations" / "vllm"
-    return "\n".join(p.read_text() for p in sorted(d.glob("*.py")))
+    return "\n".join(p.read_text() for p in sorted(d.rglob("*.py")))
 
 
 def test_every_refusal_in_the_table_is_raised_by_the_code_and_none_outside():
@@ -61,13 +61,13 @@ def test_every_refusal_in_the_table_is_raised_by_the_code_and_none_outside():
     start_up = {r.key for r in REFUSALS if r.when == "start-up"}
     assert raised == start_up, f"in the table, never raised: {start_up - raised}; raised, not in the table: " \
                                f"{raised - start_up}"
-    # the request-time refusals (streaming input, beam search) are raised by frontend.py from their rows
+    # the request-time refusals (streaming input, beam search) are raised by frontend/requests.py from their rows
     assert {r.key for r in REFUSALS if r.when == "request"} == {"streaming_input", "beam_search"}
-    frontend = (ROOT / "vtoken/integrations/vllm/frontend.py").read_text()
+    frontend = (ROOT / "vtoken/integrations/vllm/frontend/requests.py").read_text()
     assert 'r.key == "streaming_input"' in frontend and 'r.key == "beam_search"' in frontend
     # no refusal message built outside refusals.refuse / the table
     assert len(re.findall(r'raise VTokenConfigError\(f"[^"]*vToken does not support it yet', code)) == 2, "a refusal bypasses refusals.refuse"
-    assert code.count('f"vToken does not support') == 1  # frontend.py's streaming-input message, from its row
+    assert code.count('f"vToken does not support') == 1  # frontend/requests.py's streaming-input message, from its row
 
 
 def test_refuse_unknown_key_is_an_error():

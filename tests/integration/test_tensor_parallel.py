@@ -1,7 +1,7 @@
 """vToken under tensor parallelism (issue 11): TP=2 decides exactly as one rank does.
 
 Each TP rank attends with only its own ``Hq / TP`` query heads, so each rank's
-:class:`~vtoken.integrations.vllm.scoring.StepScores` sees only those heads; the worker core
+:class:`~vtoken.integrations.vllm.worker.scoring.StepScores` sees only those heads; the worker core
 sums the statistics over vLLM's TP group (one all-reduce per scored step) so that every
 rank holds the mean over all query heads and layers. Without it the output rank's heads
 alone decided, and TP=2 tokens differed from TP=1 for every scoring policy.
@@ -263,4 +263,4 @@ def test_context_parallel_refused_by_name(tiny, field, option):
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r == {"ok": False, "type": "VTokenConfigError",
                  "msg": f"{option} = 2: vToken does not support it yet ("
-                        f"{next(x.reason for x in __import__('vtoken.integrations.vllm.refusals', fromlist=['x']).REFUSALS if x.option.startswith(option))})"}
+                        f"{next(x.reason for x in __import__('vtoken.integrations.vllm.frontend.refusals', fromlist=['x']).REFUSALS if x.option.startswith(option))})"}

@@ -42,7 +42,7 @@ import pytest
 from e2e_server import MODEL_NAME, run_server
 
 from vtoken.config import VTokenConfigError, parse_config
-from vtoken.integrations.vllm.refusals import REFUSALS
+from vtoken.integrations.vllm.frontend.refusals import REFUSALS
 
 HERE = Path(__file__).resolve().parent
 

@@ -24,12 +24,14 @@ import functools
 import logging
 
 from vtoken.config import VTokenConfigError, parse_config
-from vtoken.integrations.vllm import frontend, platforms, refusals
+from vtoken.integrations.vllm.frontend import requests as frontend
+from vtoken.integrations.vllm.frontend import platforms
+from vtoken.integrations.vllm.frontend import refusals
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
-SCHEDULER_CLS = "vtoken.integrations.vllm.scheduler.VTokenScheduler"
-ASYNC_SCHEDULER_CLS = "vtoken.integrations.vllm.scheduler.VTokenAsyncScheduler"
+SCHEDULER_CLS = "vtoken.integrations.vllm.sched.scheduler.VTokenScheduler"
+ASYNC_SCHEDULER_CLS = "vtoken.integrations.vllm.sched.scheduler.VTokenAsyncScheduler"
 CPU_WORKER_CLS = platforms.CPU_WORKER_CLS
 CUDA_WORKER_CLS = platforms.CUDA_WORKER_CLS
 
@@ -98,7 +100,7 @@ def _wrap_create_engine_config() -> None:
         vcfg.additional_config["vtoken"] = cfg.model_dump()
         # /metrics (front end) must see the EngineCore's vtoken: metrics: Prometheus
         # multiprocess mode, set up here, before the EngineCore and vLLM's stat loggers exist.
-        from vtoken.integrations.vllm.metrics import setup_prometheus_bridge
+        from vtoken.integrations.vllm.sched.metrics import setup_prometheus_bridge
 
         setup_prometheus_bridge()
         logger.info(

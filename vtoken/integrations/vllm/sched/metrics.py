@@ -27,7 +27,7 @@ name                                kind     meaning
 
 Gauges are the state after the last ``schedule()`` (and after the engine goes idle: the
 scheduler publishes once more when its last request finishes or is aborted); counters are mirrored from the scheduler's monotonic
-:class:`~vtoken.integrations.vllm.scheduler.VTokenStats`.
+:class:`~vtoken.integrations.vllm.sched.scheduler.VTokenStats`.
 
 The bridge between processes
 ----------------------------

@@ -3,14 +3,14 @@
 ``VTokenCPUWorker`` (a ``CPUWorker`` subclass, set as ``parallel_config.worker_cls`` by the
 plugin) follows vLLM's choice (``VllmConfig.use_v2_model_runner``):
 
-* the V1 runner: :class:`~vtoken.integrations.vllm.runner_v1.VTokenCPUModelRunner`, built by
+* the V1 runner: :class:`~vtoken.integrations.vllm.worker.runner_v1.VTokenCPUModelRunner`, built by
   rebinding the module global ``vllm.v1.worker.cpu_worker.CPUModelRunner`` around
   ``init_device``;
-* Model Runner V2: :class:`~vtoken.integrations.vllm.runner_v2.VTokenCPUModelRunnerV2`, built
+* Model Runner V2: :class:`~vtoken.integrations.vllm.worker.runner_v2.VTokenCPUModelRunnerV2`, built
   by rebinding ``vllm.v1.worker.cpu.model_runner.CPUModelRunner`` (which ``init_device``
   imports at call time) the same way.
 
-Both adapters share :class:`~vtoken.integrations.vllm.worker_core.VTokenWorkerCore`
+Both adapters share :class:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore`
 (moves, offsets, scores); see their modules for the runner seams.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vtoken.integrations.vllm.runner_v1 import VTokenCPUModelRunner
-from vtoken.integrations.vllm.scoring import StepScores
+from vtoken.integrations.vllm.worker.runner_v1 import VTokenCPUModelRunner
+from vtoken.integrations.vllm.worker.scoring import StepScores
 
 __all__ = ["VTokenCPUWorker", "VTokenCPUModelRunner", "StepScores"]
 
@@ -31,7 +31,7 @@ class VTokenCPUWorker(CPUWorker):
         if getattr(self, "use_v2_model_runner", False):
             import vllm.v1.worker.cpu.model_runner as mod
 
-            from vtoken.integrations.vllm.runner_v2 import VTokenCPUModelRunnerV2 as ours
+            from vtoken.integrations.vllm.worker.runner_v2 import VTokenCPUModelRunnerV2 as ours
         else:
             import vllm.v1.worker.cpu_worker as mod
 

@@ -14,7 +14,7 @@ their runner's seams. Per step, before any KV write of the step:
    (``payload.refill``): vLLM schedules them at positions ``offset..``, so the physical slots
    above are already dense; :meth:`refill_inputs` gives the adapter the input ids and
    logical (RoPE) positions to write over vLLM's for those tokens;
-3. :meth:`start_scoring` arms :class:`~vtoken.integrations.vllm.scoring.StepScores`, which the
+3. :meth:`start_scoring` arms :class:`~vtoken.integrations.vllm.worker.scoring.StepScores`, which the
    attention wrapper (:meth:`wrap_attention`) fills layer by layer;
 4. :meth:`take_scores` collects them; under tensor parallelism (each rank scores only its own
    ``Hq / TP`` query heads) it sums them over the TP group with one all-reduce, so every rank
@@ -23,7 +23,7 @@ their runner's seams. Per step, before any KV write of the step:
    or through the async output object that produces it).
 
 The backend's KV layout is reached only through
-:class:`~vtoken.integrations.vllm.kv_layout.KVLayout` (a ``layout_for(layer, kv_cache)``
+:class:`~vtoken.integrations.vllm.worker.kv_layout.KVLayout` (a ``layout_for(layer, kv_cache)``
 factory given at construction).
 """
 
@@ -39,10 +39,10 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from vtoken.integrations.vllm.kv_layout import KVLayout
+from vtoken.integrations.vllm.worker.kv_layout import KVLayout
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload
-from vtoken.integrations.vllm.scoring import StepScores
-from vtoken.integrations.vllm.worker_decisions import WorkerDecisions
+from vtoken.integrations.vllm.worker.scoring import StepScores
+from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
 
 logger = logging.getLogger("vllm.vtoken")
 
@@ -83,9 +83,9 @@ class VTokenWorkerCore:
         soft-capping, learned sinks), read from the loaded layers.
 
         Raises:
-            VTokenConfigError: see :func:`vtoken.integrations.vllm.refusals.check_attention_layers`.
+            VTokenConfigError: see :func:`vtoken.integrations.vllm.frontend.refusals.check_attention_layers`.
         """
-        from vtoken.integrations.vllm.refusals import check_attention_layers
+        from vtoken.integrations.vllm.frontend.refusals import check_attention_layers
 
         check_attention_layers(model_name, self.forward_context)
 
@@ -135,7 +135,7 @@ class VTokenWorkerCore:
         Must run before any KV write of the step. Block-table truncation
         (``payload.truncate`` / ``payload.kept_blocks``) is the adapter's job. Under
         ``decide_on: worker`` the moves are this worker's own choice
-        (:class:`~vtoken.integrations.vllm.worker_decisions.WorkerDecisions`, which reads
+        (:class:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions`, which reads
         ``scheduler_output`` for the step's block ids and token counts).
         """
         if payload is not None and payload.states and self.decisions is None:

@@ -3,7 +3,7 @@
 Called by the plugin's ``create_engine_config`` wrapper on the built ``VllmConfig``
 (front-end process, before any weights load) and, for the attention backend vLLM picked
 automatically, by the CUDA worker after the model is loaded (:func:`check_layer_backends`).
-Every refusal goes through :func:`vtoken.integrations.vllm.refusals.refuse` (one table, one
+Every refusal goes through :func:`vtoken.integrations.vllm.frontend.refusals.refuse` (one table, one
 error format, README block generated from it).
 
 Support matrix (README "GPU support"):
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from vtoken.integrations.vllm import refusals
+from vtoken.integrations.vllm.frontend import refusals
 
 __all__ = ["CPU_WORKER_CLS", "CUDA_WORKER_CLS", "CUDA_BACKENDS", "platform_name", "check_platform",
            "backend_name", "check_cuda_backend", "check_block_size", "check_layer_backends"]
 
-CPU_WORKER_CLS = "vtoken.integrations.vllm.worker.VTokenCPUWorker"
-CUDA_WORKER_CLS = "vtoken.integrations.vllm.gpu_worker.VTokenGPUWorker"
+CPU_WORKER_CLS = "vtoken.integrations.vllm.worker.cpu_worker.VTokenCPUWorker"
+CUDA_WORKER_CLS = "vtoken.integrations.vllm.worker.gpu_worker.VTokenGPUWorker"
 #: GPU attention backends vToken's CUDA worker implements (``AttentionBackend.get_name()``).
 CUDA_BACKENDS = ("FLASH_ATTN",)
 

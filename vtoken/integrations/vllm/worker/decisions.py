@@ -3,7 +3,7 @@
 The scheduler sends, per step, how many tokens each request evicts (``StepPayload.evict``)
 and, when it makes a request's state, the request's policy and protections
 (``StepPayload.states``). :class:`WorkerDecisions`, owned by the runner-neutral
-:class:`~vtoken.integrations.vllm.worker_core.VTokenWorkerCore`, keeps what the choice
+:class:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore`, keeps what the choice
 needs on the worker, next to the KV cache:
 
 * one :class:`~vtoken.decider.DeviceDecider` per policy (requests grouped by policy class and

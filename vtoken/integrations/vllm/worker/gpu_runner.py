@@ -1,7 +1,7 @@
 """vToken on vLLM's CUDA runners (V1 ``GPUModelRunner`` and Model Runner V2), FlashAttention backend.
 
-The seams are those of the CPU adapters (:class:`~vtoken.integrations.vllm.runner_v1.VTokenV1Adapter`,
-:class:`~vtoken.integrations.vllm.runner_v2.VTokenV2Adapter`, see their modules and
+The seams are those of the CPU adapters (:class:`~vtoken.integrations.vllm.worker.runner_v1.VTokenV1Adapter`,
+:class:`~vtoken.integrations.vllm.worker.runner_v2.VTokenV2Adapter`, see their modules and
 docs/integration.md); this module supplies the CUDA side of their hooks:
 
 * **Moves** (:meth:`VTokenGPUWorkerCore.begin_step`): the step's ``src``/``dst`` slot ids are
@@ -41,12 +41,12 @@ import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # V1
 from vllm.v1.worker.gpu import model_runner  # Model Runner V2: model_runner.GPUModelRunner
 
-from vtoken.integrations.vllm import cudagraphs
-from vtoken.integrations.vllm.kv_layout import PagedKVLayout, flash_attn_kv_layout
+from vtoken.integrations.vllm.worker import cudagraphs
+from vtoken.integrations.vllm.worker.kv_layout import PagedKVLayout, flash_attn_kv_layout
 from vtoken.integrations.vllm.payload import StepPayload
-from vtoken.integrations.vllm.runner_v1 import VTokenV1Adapter
-from vtoken.integrations.vllm.runner_v2 import VTokenV2Adapter
-from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.runner_v1 import VTokenV1Adapter
+from vtoken.integrations.vllm.worker.runner_v2 import VTokenV2Adapter
+from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
 from vtoken.policies.base import AttentionNeed
 
 __all__ = ["PinnedStaging", "GPUStepScores", "VTokenGPUWorkerCore", "VTokenGPUModelRunner",
@@ -184,7 +184,7 @@ def check_caches(core: VTokenWorkerCore, block_size: int) -> int:
             (refusal ``block_size``): the block tables vToken truncates and the slot ids it moves
             are in manager blocks.
     """
-    from vtoken.integrations.vllm import refusals
+    from vtoken.integrations.vllm.frontend import refusals
 
     caches = core.kv_caches()
     for kv, lay in caches:
@@ -265,7 +265,7 @@ class _CUDARunnerHooks:
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
-        from vtoken.integrations.vllm.platforms import check_layer_backends
+        from vtoken.integrations.vllm.frontend.platforms import check_layer_backends
 
         check_layer_backends(self.compilation_config.static_forward_context)
 

@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from vtoken.integrations.vllm.accounting import BlockAccounting
-from vtoken.integrations.vllm.state import RequestState
+from vtoken.integrations.vllm.sched.accounting import BlockAccounting
+from vtoken.integrations.vllm.sched.state import RequestState
 
 __all__ = ["check_invariants", "trace_record"]
 

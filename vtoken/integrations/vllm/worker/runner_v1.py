@@ -4,7 +4,7 @@ and its CPU subclass ``vllm.v1.worker.cpu_model_runner.CPUModelRunner``).
 Seams (patches/ entries under ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``):
 
 * ``_update_states``: before the stock method (so before the forward and any KV write),
-  :meth:`~vtoken.integrations.vllm.worker_core.VTokenWorkerCore.begin_step` applies the
+  :meth:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore.begin_step` applies the
   moves; the request's ``block_ids`` and its row of the input batch's block table are cut
   to the kept prefix.
 * ``_prepare_inputs``: after the stock method, ``seq_lens`` (and the pinned
@@ -23,8 +23,8 @@ import torch
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vtoken.integrations.vllm.kv_layout import KVLayout, cpu_kv_layout
-from vtoken.integrations.vllm.worker_core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.kv_layout import KVLayout, cpu_kv_layout
+from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
 
 __all__ = ["VTokenV1Adapter", "VTokenCPUModelRunner", "cpu_layout_for"]
 

@@ -15,7 +15,7 @@ Per step, before the stock ``schedule()``, for each running request past its pre
    the blocks the baseline would).
 
 Then the stock ``schedule()`` runs; allocation counts live tokens
-(:class:`~vtoken.integrations.vllm.accounting.VTokenFullAttentionManager`). The tokens
+(:class:`~vtoken.integrations.vllm.sched.accounting.VTokenFullAttentionManager`). The tokens
 scheduled in this step are appended to the token tables, scored steps are recorded with
 their slot -> logical-position map, and a :class:`~vtoken.integrations.vllm.payload.StepPayload`
 rides on the ``SchedulerOutput`` to the workers. Whether a request is past its prefill,
@@ -53,11 +53,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from vtoken.config import VTokenConfig, VTokenConfigError, effective_budget, num_to_evict, parse_config, parse_request_overrides
-from vtoken.integrations.vllm.accounting import BlockAccounting, VTokenFullAttentionManager
-from vtoken.integrations.vllm.checks import check_invariants, trace_record
-from vtoken.integrations.vllm.metrics import VTokenMetrics
+from vtoken.integrations.vllm.sched.accounting import BlockAccounting, VTokenFullAttentionManager
+from vtoken.integrations.vllm.sched.checks import check_invariants, trace_record
+from vtoken.integrations.vllm.sched.metrics import VTokenMetrics
 from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
-from vtoken.integrations.vllm.state import RequestState, VTokenStats, cdiv
+from vtoken.integrations.vllm.sched.state import RequestState, VTokenStats, cdiv
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
 from vtoken.repack import NaiveEvictCounter
 from vtoken.pacing import Candidate, plan_pressure_evictions
@@ -338,14 +338,7 @@ class VTokenSchedulerMixin:
             if st is None:
                 continue
             self._vt_after_scheduled(req, st, n, payload)
-        if self._vt_offset_updates:
-            payload.offsets = self._vt_offset_updates
-            self._vt_offset_updates = {}
-        if self._vt_new_states:
-            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
-                                              st.cached_tokens)
-                              for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
-            self._vt_new_states = {}
+        self._vt_finish_payload(payload)
         out.vtoken = None if payload.is_empty() else payload
         self._vt_update_gauges()
         self._vt_metrics.update(self.vt_stats)
@@ -453,14 +446,7 @@ class VTokenSchedulerMixin:
             st.full_block_steps += full_b
             if full_b > st.full_peak_blocks:
                 st.full_peak_blocks = full_b
-        if self._vt_offset_updates:
-            payload.offsets = self._vt_offset_updates
-            self._vt_offset_updates = {}
-        if self._vt_new_states:
-            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
-                                              st.cached_tokens)
-                              for rid, st in self._vt_new_states.items() if states.get(rid) is st}
-            self._vt_new_states = {}
+        self._vt_finish_payload(payload)
         out.vtoken = None if payload.is_empty() else payload
         now = time.monotonic()
         if now - self._vt_gauges_at >= self.GAUGE_INTERVAL_S:
@@ -512,6 +498,17 @@ class VTokenSchedulerMixin:
             payload.truncate[rid] = keep
             payload.kept_blocks[rid] = [b.block_id for b in self._vt_mgr.req_to_blocks[rid]]
         return len(tail)
+
+    def _vt_finish_payload(self, payload: StepPayload) -> None:
+        """The step's changed offsets and (``decide_on: worker``) the request states made in it."""
+        if self._vt_offset_updates:
+            payload.offsets = self._vt_offset_updates
+            self._vt_offset_updates = {}
+        if self._vt_new_states:
+            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
+                                              st.cached_tokens)
+                              for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
+            self._vt_new_states = {}
 
     def _vt_collect_counts(self, payload: StepPayload) -> None:
         """``decide_on: worker``: drop the eviction of a request that the stock ``schedule()``
@@ -628,7 +625,7 @@ class VTokenSchedulerMixin:
         return self._vt_accounting.target_blocks(st)
 
     def vt_check_invariants(self, out=None) -> None:
-        """:func:`~vtoken.integrations.vllm.checks.check_invariants` on this scheduler.
+        """:func:`~vtoken.integrations.vllm.sched.checks.check_invariants` on this scheduler.
 
         Raises:
             AssertionError: naming the request and the broken invariant.

@@ -7,8 +7,8 @@ override this"), and follows vLLM's choice (``Worker.use_v2_model_runner``, from
 ``VllmConfig.use_v2_model_runner``: Model Runner V2 by default on CUDA, V1 when the user
 turns it off through vLLM's own environment switch); vToken sets neither:
 
-* V1: :class:`~vtoken.integrations.vllm.gpu_runner.VTokenGPUModelRunner`;
-* Model Runner V2: :class:`~vtoken.integrations.vllm.gpu_runner.VTokenGPUModelRunnerV2`;
+* V1: :class:`~vtoken.integrations.vllm.worker.gpu_runner.VTokenGPUModelRunner`;
+* Model Runner V2: :class:`~vtoken.integrations.vllm.worker.gpu_runner.VTokenGPUModelRunnerV2`;
 * an encoder-only multimodal runner (no KV cache to evict): vLLM's own runner, unchanged.
 
 Nothing here has run on a GPU yet (README, "GPU support").
@@ -27,7 +27,7 @@ class VTokenGPUWorker(Worker):
     def _make_model_runner(self):
         if self.vllm_config.is_mm_encoder_only:
             return super()._make_model_runner()
-        from vtoken.integrations.vllm.gpu_runner import VTokenGPUModelRunner, VTokenGPUModelRunnerV2
+        from vtoken.integrations.vllm.worker.gpu_runner import VTokenGPUModelRunner, VTokenGPUModelRunnerV2
 
         cls = VTokenGPUModelRunnerV2 if self.use_v2_model_runner else VTokenGPUModelRunner
         return cls(self.vllm_config, self.device)

@@ -1,9 +1,9 @@
 """Attention statistics for the eviction policies, computed next to the stock attention kernel.
 
 :class:`StepScores` is filled by the attention wrapper of
-:class:`~vtoken.integrations.vllm.worker_core.VTokenWorkerCore`, layer by layer, from the
+:class:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore`, layer by layer, from the
 query the attention layer received and the keys it reads back from the KV cache through the
-backend's :class:`~vtoken.integrations.vllm.kv_layout.KVLayout`. The statistics are those of
+backend's :class:`~vtoken.integrations.vllm.worker.kv_layout.KVLayout`. The statistics are those of
 :mod:`vtoken.policies.base` (post-softmax probabilities averaged over query heads and layers).
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from vtoken.integrations.vllm.kv_layout import KVLayout
+from vtoken.integrations.vllm.worker.kv_layout import KVLayout
 from vtoken.policies.base import AttentionNeed
 
 __all__ = ["StepScores", "prefill_stats", "TILE_ELEMS", "MAX_TILE_ROWS"]

@@ -20,7 +20,7 @@ from typing import Mapping
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from vtoken.integrations.vllm.state import RequestState, cdiv
+from vtoken.integrations.vllm.sched.state import RequestState, cdiv
 
 __all__ = ["BlockAccounting", "VTokenFullAttentionManager"]
 

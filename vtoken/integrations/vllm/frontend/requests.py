@@ -43,7 +43,7 @@ import sys
 from typing import Any, Optional
 
 from vtoken.config import VTokenConfig, VTokenConfigError, parse_request_overrides
-from vtoken.integrations.vllm.refusals import REFUSALS
+from vtoken.integrations.vllm.frontend.refusals import REFUSALS
 
 _REFUSAL = next(r for r in REFUSALS if r.key == "streaming_input")
 _BEAM = next(r for r in REFUSALS if r.key == "beam_search")
