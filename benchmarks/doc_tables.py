@@ -171,22 +171,6 @@ def step_split_table(name: str = "step_split.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
-          "quality_scale_table": quality_scale_table,
-          "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
-          "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
-          "sla_fine_table": sla_fine_table, "step_split_table": step_split_table,
-          "step_split_elementwise_table": lambda: step_split_table("step_split_elementwise_gather.json"),
-          "sla_h2o_faster_headline_table": lambda: sla_headline_table("sla_h2o_faster_scoring.json"),
-          "sla_h2o_faster_table": lambda: sla_table("sla_h2o_faster_scoring.json"),
-          "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json")}
-
-
-if __name__ == "__main__":
-    for n, f in TABLES.items():
-        print(f"<!-- generated: benchmarks/doc_tables.py {n} -->\n{f()}<!-- end generated -->\n")
-
-
 def scheduler_table(name: str = "bench_scheduler.json") -> str:
     """``bench_scheduler.py``: host ms per decode step (median) of vLLM's ``Scheduler`` and
     vToken's, per arm, with the ratio to stock; and the worker-side ``DeviceDecider`` step (CPU)."""
@@ -205,3 +189,21 @@ def scheduler_table(name: str = "bench_scheduler.json") -> str:
         ws = " / ".join("-" if x is None else f"{x:.1f}" for x in w)
         rows.append(f"| {c['num_requests']} | {c['live']:,} | {st:.2f} | " + " | ".join(cells) + f" | {ws} |")
     return "\n".join(rows) + "\n"
+
+
+TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
+          "quality_scale_table": quality_scale_table,
+          "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
+          "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
+          "sla_fine_table": sla_fine_table, "step_split_table": step_split_table,
+          "step_split_elementwise_table": lambda: step_split_table("step_split_elementwise_gather.json"),
+          "sla_h2o_faster_headline_table": lambda: sla_headline_table("sla_h2o_faster_scoring.json"),
+          "sla_h2o_faster_table": lambda: sla_table("sla_h2o_faster_scoring.json"),
+          "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json"),
+          "scheduler_table": scheduler_table}
+
+
+if __name__ == "__main__":
+    for n, f in TABLES.items():
+        print(f"<!-- generated: benchmarks/doc_tables.py {n} -->\n{f()}<!-- end generated -->\n")
+

@@ -709,3 +709,28 @@ def test_benchmarks_readme_quality_table_matches_result():
         assert [nll, dnll, agree, top1, greedy] == [
             f"{r['nll']:.3f}", f"{r['delta_nll']:+.3f}", f"{r['agree_full']:.2f}", f"{r['top1_acc']:.2f}",
             f"{g['prefix_agreement']:.2f}"], (pol, b)
+
+
+def test_benchmarks_readme_scheduler_host_time_matches_result():
+    """Issue 22's host-time table and the figures quoted above it equal results/bench_scheduler.json."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    text = BENCH_DOC.read_text()
+    assert _generated(text, "benchmarks/doc_tables.py scheduler_table") == doc_tables.scheduler_table()
+    d = json.loads((RESULTS / "bench_scheduler.json").read_text())
+    ratio = {(c["num_requests"], c["live"], a): c["arms"][a]["total"]["median_ms"] / c["arms"]["stock"]["total"]["median_ms"]
+             for c in d["cells"] for a in c["arms"]}
+    want = " / ".join(f"{ratio[(256, L, 'h2o-worker')]:.2f}x" for L in (512, 2048, 8192))
+    assert want in " ".join(text.split()), want
+    sched = [v for (r, L, a), v in ratio.items() if a in ("h2o", "random")]
+    lo = [v for (r, L, a), v in ratio.items() if a in ("h2o", "random") and L in (512, 2048)]
+    hi = [v for (r, L, a), v in ratio.items() if a in ("h2o", "random") and L == 8192]
+    quoted_ranges = (f"{round(min(lo))}-{round(max(lo))}x stock's at 512-2,048 live tokens and "
+                     f"{round(min(hi))}-{round(max(hi))}x at 8,192")
+    assert quoted_ranges in " ".join(text.split()), quoted_ranges
+    assert sched and all(ratio[(r, L, "h2o-worker")] > 1.2 for r, L, _ in ratio)  # the text says: short of 1.2x
+    la = f"load average {d['load_average_before'][0]:.2f} before and {d['load_average_after'][0]:.2f}"
+    assert la in " ".join(text.split())
