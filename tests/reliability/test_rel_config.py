@@ -74,7 +74,8 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     # decide_on: worker, with what it does not cover yet (refused by name, never silently switched)
     "decide_on_bad": ({}, {"decide_on": "gpu"}, ["vtoken.decide_on", "'gpu'", "'scheduler' or 'worker'"]),
     "worker_naive": ({}, {"decide_on": "worker", "mode": "naive"},
-                     ["vtoken.decide_on = 'worker'", "does not support", "vtoken.mode = 'naive'"]),
+                     ["vtoken.decide_on = 'worker'", "does not support", "Naive-Evict's dead-block counts",
+                      "allowed with mode naive: decide_on scheduler"]),
 }
 OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None),
             "worker": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64}),

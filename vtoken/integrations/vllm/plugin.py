@@ -120,9 +120,9 @@ def _wrap_create_engine_config() -> None:
 def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
     """``decide_on: worker`` is refused, by name, with what it does not cover yet (refusals.py)."""
     if cfg.mode == "naive":
-        refusals.refuse("worker_decisions", "worker", "with vtoken.mode = 'naive'; use mode: vtoken")
+        refusals.refuse("worker_naive", "worker")
     if worker_cls == platforms.CUDA_WORKER_CLS:
-        refusals.refuse("worker_decisions", "worker", f"with the CUDA worker ({worker_cls})")
+        refusals.refuse("worker_cuda", "worker")
 
 
 def _check_block_size(block_size) -> None:

@@ -93,9 +93,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("scheduler_cls", "--scheduler-cls", "start-up",
             "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
             "async scheduling)"),
-    Refusal("worker_decisions", "vtoken.decide_on = worker, with mode naive or the CUDA worker", "start-up",
-            "Naive-Evict's dead-block counts would need each eviction's positions back from the worker, and the "
-            "worker-side decisions have not run on a GPU yet; use decide_on: scheduler (the default) for these"),
+    Refusal("worker_naive", "vtoken.decide_on = worker with vtoken.mode = naive", "start-up",
+            "Naive-Evict's dead-block counts need each eviction's positions, which stay on the worker; allowed with "
+            "mode naive: decide_on scheduler (the default)"),
+    Refusal("worker_cuda", "vtoken.decide_on = worker on the CUDA worker", "start-up",
+            "the worker-side decisions have not run on a GPU yet; allowed on CUDA: decide_on scheduler (the default)"),
     Refusal("streaming_input", "streaming-input (resumable) requests", "request",
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),

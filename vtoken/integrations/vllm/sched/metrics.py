@@ -72,7 +72,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "vtoken:logical_tokens": ("logical_tokens", "Logical tokens (ever seen) of the requests vToken tracks."),
     "vtoken:retained_blocks": ("retained_blocks", "KV-cache blocks held by the requests vToken tracks."),
     "vtoken:naive_retained_blocks": (
-        "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions."),
+        "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions (not computed under "
+        "decide_on: worker: 0)."),
     "vtoken:dense_blocks": ("dense_blocks", "Sum over tracked requests of ceil(live_tokens / block_size)."),
     "vtoken:evicting_requests": ("num_evicting_requests", "Tracked requests that have evicted at least one token."),
     "vtoken:tokens_above_budget": ("tokens_above_budget",
@@ -81,12 +82,15 @@ GAUGES: dict[str, tuple[str, str]] = {
 #: counter name (prometheus_client appends ``_total``) -> (VTokenStats field, help)
 COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:evicted_tokens": ("evicted_tokens", "Tokens evicted from the KV cache."),
-    "vtoken:moved_tokens": ("moved_tokens", "Token moves planned to fill holes from the tail."),
+    "vtoken:moved_tokens": ("moved_tokens", "Token moves planned to fill holes from the tail (0 under decide_on: worker, "
+                                        "where the worker plans them)."),
     "vtoken:freed_blocks": ("freed_blocks", "Tail KV-cache blocks returned to the block pool."),
     "vtoken:evictions": ("evictions", "Eviction events (one per request and step)."),
-    "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves."),
+    "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves (under decide_on: "
+                                            "worker: only counting how many; the worker selects)."),
     "vtoken:preemption_resets": ("preemption_resets", "Preemptions of vToken requests (a decoding request under mode vtoken "
-                                                        "resumes with its live tokens only; otherwise its state is dropped)."),
+                                                        "and decide_on scheduler resumes with its live tokens only; "
+                                                        "otherwise its state is dropped and it restarts from its prompt)."),
     "vtoken:pressure_events": ("pressure_events",
                                "Pressure pacing: steps where a step's block demand plus the watermark exceeded the free blocks."),
     "vtoken:pressure_evictions": ("pressure_evictions", "Pressure pacing: eviction events decided under pressure."),

@@ -131,8 +131,11 @@ class WorkerDecisions:
             if g is None:
                 g = self.groups[key] = _Group(spec.policy, self.num_slots, self.block_size, self.device)
                 b = g.dec.side.bytes_per_token
-                logger.info("vToken: worker-side decisions for %s: side cache %d bytes per token, %.1f MiB "
-                            "(%.2f%% of the KV cache)", key, b, b * self.num_slots / 2**20,
+                args = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)
+                        if f.name not in ("sink_tokens", "recent_tokens")}
+                logger.info("vToken: worker-side decisions for policy %s %s (sinks and recent window per request): "
+                            "side cache %d bytes per token, %.1f MiB (%.2f%% of the KV cache)", spec.policy.name, args,
+                            b, b * self.num_slots / 2**20,
                             100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
             self.where[rid] = (g, g.add(), spec)
         moves = self._evict(payload.evict) if payload.evict else None
