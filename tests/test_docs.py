@@ -200,9 +200,9 @@ def _tracked() -> set[str]:
 
 def _exists(tok: str, doc: Path, tracked: set[str]) -> bool:
     tok = tok.rstrip("/")
-    if "/" in tok and ((doc.parent / tok).exists() or (ROOT / tok).exists() or (ROOT / "benchmarks" / tok).exists()):
-        return True
-    # a bare file name or a path tail (e.g. `worker/core.py`): some file of the repository ends with it
+    if "/" in tok:
+        return (doc.parent / tok).exists() or (ROOT / tok).exists() or (ROOT / "benchmarks" / tok).exists()
+    # a bare file name: some file of the repository has it
     return any(t == tok or t.endswith("/" + tok) for t in tracked)
 
 

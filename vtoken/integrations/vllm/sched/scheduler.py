@@ -299,12 +299,11 @@ class VTokenSchedulerMixin:
             rid = req.request_id
             if self._vt_done_in_flight(req):
                 continue  # async: its last token is in flight; it will not be scheduled again
-            if not self._vt_worker:
-                try:
-                    self._vt_fold_scores(st, st.steps)
-                except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
-                    self._vt_fault(rid, st, e)
-                    continue
+            try:
+                self._vt_fold_scores(st, st.steps)
+            except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
+                self._vt_fault(rid, st, e)
+                continue
             if st.decode_steps + 1 >= st.first_evict:
                 eligible.append((order, req, st))
         if self.vt_cfg.pacing == "pressure":
@@ -317,20 +316,14 @@ class VTokenSchedulerMixin:
                 continue
             try:
                 st.evict_log.append((st.decode_steps + 1, k))
-                if self._vt_worker:
-                    self._vt_evict_count(req.request_id, st, k, payload)
-                else:
-                    self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by)
+                self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by)
             except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
                 self._vt_fault(req.request_id, st, e)
         self.vt_stats.repack_seconds += time.perf_counter() - t0
 
         out = super().schedule(*args, **kwargs)
 
-        if self._vt_worker:
-            self._vt_collect_counts(payload)
-        else:
-            self._vt_collect_moves(payload, srcs, dsts, move_by)
+        self._vt_collect_moves(payload, srcs, dsts, move_by)
 
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -523,22 +516,20 @@ class VTokenSchedulerMixin:
     def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload) -> None:
         """``decide_on: worker``: evict ``k`` tokens of ``rid`` in counts; the worker picks which.
 
-        ``k`` is capped at the tokens no protection covers (:func:`vtoken.protocol.evictable`,
-        inline), which is what the worker's selection evicts; the request's tail blocks past
+        ``k`` is capped at the tokens no protection covers (:func:`vtoken.protocol.evictable`),
+        which is what the worker's selection evicts; the request's tail blocks past
         ``cdiv(live + 1, B)`` go back to the pool now, as under ``decide_on: scheduler``.
         Prefix caching: positions below ``max(sinks, protected)`` are never evicted and their
         slots never written (slot == position there), so the clean prefix hashed at finish is at
         least that long; the worker keeps which positions went, so that bound is the one used.
         """
         table = st.table
-        live = table.num_live
         bound = st.floor  # max(sink_tokens, protected): positions below it are never evicted
-        p = min(bound, table.num_logical, live)
-        k = min(k, live - p - min(st.recent, live - p))
+        k = min(k, evictable(table.num_live, table.num_logical, 0, st.recent, bound))
         if k <= 0:
             return
-        live -= k
-        table.num_live = live
+        table.evict(k)
+        live = table.num_live
         payload.evict[rid] = k
         if st.clean_len is None or st.clean_len > bound:
             st.clean_len = min(table.num_logical, bound)
@@ -580,8 +571,7 @@ class VTokenSchedulerMixin:
         old = st.table.num_live
         st.table.append(n - r)
         st.naive.append(n - r)
-        if not self._vt_worker:
-            st.pstate.reset_slots(old, old + n - r)
+        st.pstate.reset_slots(old, old + n - r)
         # Every token now has KV once this step ran: the step samples, the (re-)prefill is done.
         # (Under async scheduling num_computed_tokens already counts the in-flight placeholders.)
         samples = req.num_computed_tokens >= req.num_tokens
@@ -596,9 +586,8 @@ class VTokenSchedulerMixin:
             not st.decoding or st.decode_steps % st.cfg.score_every == 0
         ):
             payload.scores[rid] = st.policy.needs.value
-            if not self._vt_worker:
-                payload.score_steps[rid] = (st.generation, st.steps)
-                st.lag.expect(st.steps, st.table.logical_pos[: st.table.num_live - st.refill], sampled=samples)
+            payload.score_steps[rid] = (st.generation, st.steps)
+            st.lag.expect(st.steps, st.table.logical_pos[: st.table.num_live - st.refill], sampled=samples)
         st.decoding |= samples
         naive_b = max(st.naive.num_retained_blocks, cdiv(st.table.num_live, self._vt_bs))
         full_b = cdiv(st.table.num_logical, self._vt_bs)
