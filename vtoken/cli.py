@@ -20,7 +20,7 @@ _ASSET_WHAT = {
     "smollm2": "SmolLM2-135M-Instruct, bf16 (served by make serve; ~25 s)",
     "sharegpt": "ShareGPT V3 conversations, vLLM JSON format (demo and vllm bench serve; ~5 s)",
     "sharegpt-long": "re-joined long ShareGPT conversations with token counts (benchmarks only; ~30 s-3 min)",
-    "tiny": "tiny random Llama (tests only; ~1 s)",
+    "tiny": "tiny random Llamas, 1 and 2 KV heads (tests only; ~2 s)",
 }
 
 
@@ -33,7 +33,7 @@ def _cmd_assets(args: argparse.Namespace) -> int:
         "smollm2": lambda: paths.ensure_smollm2(force=args.force),
         "sharegpt": lambda: paths.ensure_sharegpt(force=args.force),
         "sharegpt-long": lambda: paths.ensure_sharegpt_long(force=args.force),
-        "tiny": lambda: paths.ensure_tiny_model(force=args.force),
+        "tiny": lambda: (paths.ensure_tiny_gqa_model(force=args.force), paths.ensure_tiny_model(force=args.force))[1],
     }
     print(f"vtoken assets: home {paths.vtoken_home()}; building {', '.join(wanted)}", flush=True)
     for i, name in enumerate(wanted, 1):

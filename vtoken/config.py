@@ -134,6 +134,14 @@ class VTokenConfig(BaseModel):
         "which, batched in torch, with the policy state next to the KV cache; async scheduling then decides exactly "
         "as sync; refused (by name) with mode naive and on the CUDA worker (docs/device-decisions.md)",
     )
+    granularity: Optional[Literal["request", "layer", "head", "head_shared"]] = Field(
+        None,
+        description="token sets per request. request: one set shared by every layer and KV head; layer: one per "
+        "layer; head: one per (layer, KV head); head_shared: one per KV head, shared across layers. Every set "
+        "keeps the same number of live tokens, so block tables and slot mappings stay shared. null: the policy's "
+        "own default (its paper's: h2o, scissorhands head; tova layer; random, streaming request) under "
+        "decide_on worker, request under decide_on scheduler; anything but request needs decide_on worker",
+    )
     protect_cached_prefix: bool = Field(
         False,
         description="with vLLM prefix caching on: false: never evict the prefix a request got from the cache "
@@ -168,6 +176,12 @@ class VTokenConfig(BaseModel):
                 sep = "." if re.match(r"\w+ = ", rest) else ": "
                 msg = f"vtoken.policy_args{sep}{rest} (policy {self.policy!r})"
             raise ValueError(msg) from None
+        if self.granularity not in (None, "request") and self.decide_on != "worker":
+            raise ValueError(
+                f"vtoken.granularity = {self.granularity!r} needs vtoken.decide_on = 'worker' (per-set token tables "
+                f"live in the worker's side cache), got vtoken.decide_on = {self.decide_on!r}; allowed with "
+                "decide_on scheduler: granularity 'request' (or leave it unset)"
+            )
         sinks, recent = self.protections()
         if self.budget_ratio is None and sinks + recent > self.budget:
             raise ValueError(
@@ -214,6 +228,19 @@ class VTokenConfig(BaseModel):
             recent = self.recent_tokens
         return sinks, recent
 
+    def resolved_granularity(self) -> str:
+        """The token-set granularity in effect: ``granularity`` when set; else the policy's
+        default (:meth:`~vtoken.policies.base.EvictionPolicy.default_granularity`) under
+        ``decide_on: worker`` and ``"request"`` under ``decide_on: scheduler`` (the scheduler
+        keeps one token table per request)."""
+        from vtoken.policies import get_policy_class
+
+        if self.granularity is not None:
+            return self.granularity
+        if self.decide_on != "worker":
+            return "request"
+        return get_policy_class(self.policy).default_granularity()
+
     def resolved_slack(self) -> int:
         """Pacing slack in tokens after applying the policy default."""
         from vtoken.policies import get_policy_class
@@ -228,7 +255,9 @@ class RequestOverrides(BaseModel):
 
     Keys: ``vtoken_enable`` (bool, or 0/1, or "true"/"false": ``vllm_xargs`` turns JSON
     booleans into ints; false turns eviction off for this request),
-    ``vtoken_budget`` (int tokens >= 1), ``vtoken_policy`` (a registered policy name).
+    ``vtoken_budget`` (int tokens >= 1), ``vtoken_policy`` (a registered policy name),
+    ``vtoken_granularity`` (``request``, ``layer``, ``head`` or ``head_shared``; anything but
+    ``request`` needs the engine's ``decide_on: worker``).
     Other ``extra_args`` keys are ignored (they may belong to someone else).
 
     Coercions (the same on both paths, so the engine's ``budget`` and a request's
@@ -250,6 +279,7 @@ class RequestOverrides(BaseModel):
     vtoken_enable: bool = Field(True, strict=True)
     vtoken_budget: Optional[int] = Field(None, ge=1, strict=True)
     vtoken_policy: Optional[str] = None
+    vtoken_granularity: Optional[Literal["request", "layer", "head", "head_shared"]] = None
 
     @field_validator("vtoken_budget", mode="before")
     @classmethod
@@ -264,6 +294,14 @@ class RequestOverrides(BaseModel):
         if v is None:
             raise ValueError(f"expected a policy name; allowed: {_known_policies()}; leave the key out to use "
                              "the engine's policy")
+        return v
+
+    @field_validator("vtoken_granularity", mode="before")
+    @classmethod
+    def _no_null_granularity(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError("expected one of 'request', 'layer', 'head', 'head_shared'; leave the key out to use "
+                             "the engine's granularity")
         return v
 
     @field_validator("vtoken_enable", mode="before")
@@ -301,6 +339,8 @@ class RequestOverrides(BaseModel):
         if self.vtoken_policy is not None and self.vtoken_policy != base.policy:
             upd["policy"] = self.vtoken_policy
             upd["policy_args"] = {}
+        if self.vtoken_granularity is not None and self.vtoken_granularity != base.granularity:
+            upd["granularity"] = self.vtoken_granularity
         if not upd:
             return base
         data = base.model_dump()
@@ -308,7 +348,8 @@ class RequestOverrides(BaseModel):
         try:
             return VTokenConfig(**data)
         except ValidationError as e:
-            fields = ", ".join(f"vllm_xargs.{k} = {getattr(self, k)!r}" for k in ("vtoken_budget", "vtoken_policy")
+            fields = ", ".join(f"vllm_xargs.{k} = {getattr(self, k)!r}"
+                               for k in ("vtoken_budget", "vtoken_policy", "vtoken_granularity")
                                if getattr(self, k) is not None)
             raise VTokenConfigError(
                 f"{fields}: contradicts the engine's vtoken config: {_format_validation_error('vtoken', e)}"

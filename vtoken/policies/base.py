@@ -206,6 +206,13 @@ class EvictionPolicy(ABC):
         return 0
 
     @classmethod
+    def default_granularity(cls) -> str:
+        """Token-set granularity when the config leaves ``granularity`` unset under
+        ``decide_on: worker`` (:meth:`vtoken.config.VTokenConfig.resolved_granularity`):
+        ``"request"``, ``"layer"``, ``"head"`` or ``"head_shared"``. Default: ``"request"``."""
+        return "request"
+
+    @classmethod
     def default_slack(cls, budget: int) -> int:
         """Pacing slack (tokens over budget before evicting) when the config leaves it unset."""
         return 0

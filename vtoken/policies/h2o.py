@@ -50,6 +50,10 @@ class H2OPolicy(EvictionPolicy):
     needs: ClassVar[AttentionNeed] = AttentionNeed.COL_SUM
 
     @classmethod
+    def default_granularity(cls) -> str:
+        return "head"
+
+    @classmethod
     def default_recent_tokens(cls, budget: int) -> int:
         return budget // 2
 

@@ -86,6 +86,10 @@ class ScissorhandsPolicy(EvictionPolicy):
 
     # ----- defaults -----
     @classmethod
+    def default_granularity(cls) -> str:
+        return "head"
+
+    @classmethod
     def default_window(cls, budget: int) -> int:
         """History window in steps when ``policy_args`` leaves ``window`` unset."""
         return max(1, budget // 2)

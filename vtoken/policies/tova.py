@@ -45,6 +45,10 @@ class TOVAPolicy(EvictionPolicy):
     name: ClassVar[str] = "tova"
     needs: ClassVar[AttentionNeed] = AttentionNeed.LAST_ROW
 
+    @classmethod
+    def default_granularity(cls) -> str:
+        return "layer"
+
     def state_specs(self):
         return {"last": ((), np.dtype(np.float64))}
 
