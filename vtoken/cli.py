@@ -133,7 +133,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"{r['key']:{w['key']}}  {r['type']:{w['type']}}  {r['default']:{w['default']}}  {r['meaning']}")
     print(f"\npolicies installed: {', '.join(sorted(available_policies()))}")
     print("per request (SamplingParams.extra_args, OpenAI vllm_xargs): vtoken_budget (int >= 1), "
-          "vtoken_policy (a policy name), vtoken_enable (bool; false: no eviction for this request)")
+          "vtoken_policy (a policy name), vtoken_granularity (request, layer, head, head_shared; not request: needs "
+          "decide_on worker), vtoken_enable (bool; false: no eviction for this request)")
     return 0
 
 

@@ -51,21 +51,28 @@ class SideCache:
             ``{"acc": ((), torch.float64)}`` (:meth:`EvictionPolicy.side_specs`). The field
             ``pos`` (int64, the token's logical position) is always added.
         device: where the tensors live (the KV cache's device).
+        num_sets: token sets per request (``docs/granularity.md``): 1 for ``request``,
+            ``L`` for ``layer``, ``L * Hkv`` for ``head``, ``Hkv`` for ``head_shared``. Each
+            set has its own copy of every field: a slot of set ``s`` holds that set's token.
 
     Attributes:
-        fields: name -> tensor ``[num_slots, *lead]``.
+        fields: name -> tensor ``[num_slots, num_sets, *lead]``.
     """
 
     def __init__(self, num_slots: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", num_sets: int = 1):
         if "pos" in specs:
             raise ValueError("side-cache field name 'pos' is reserved (the logical position)")
+        if isinstance(num_sets, bool) or not isinstance(num_sets, int) or num_sets < 1:
+            raise ValueError(f"num_sets = {num_sets!r}; allowed: an integer >= 1")
+        self.num_sets = num_sets
         specs = {"pos": ((), torch.int64), **specs}
-        self.fields = {k: torch.zeros((num_slots, *lead), dtype=dt, device=device) for k, (lead, dt) in specs.items()}
+        self.fields = {k: torch.zeros((num_slots, num_sets, *lead), dtype=dt, device=device)
+                       for k, (lead, dt) in specs.items()}
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of side-cache state per KV slot (to count against the KV pool)."""
+        """Bytes of side-cache state per KV slot, every set included (to count against the KV pool)."""
         return sum(t[0].numel() * t.element_size() for t in self.fields.values()) if self.num_slots else 0
 
     @property
@@ -73,8 +80,8 @@ class SideCache:
         return int(self.fields["pos"].shape[0])
 
     def gather(self, slots: torch.Tensor, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
-        """Fields at global ``slots`` (int64 ``[R, N]``): name -> ``[R, N, *lead]`` (copies);
-        ``names``: only these (default: every field)."""
+        """Fields at global ``slots`` (int64 ``[R, N]``): name -> ``[R, N, num_sets, *lead]``
+        (copies); ``names``: only these (default: every field)."""
         return {k: self.fields[k][slots] for k in (self.fields if names is None else names)}
 
     def scatter(self, slots: torch.Tensor, mask: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
@@ -83,12 +90,16 @@ class SideCache:
         for k, v in values.items():
             self.fields[k][at] = v[mask]
 
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def move(self, src: torch.Tensor, dst: torch.Tensor, sets: Optional[torch.Tensor] = None) -> None:
         """Copy every field's ``src`` slots to ``dst`` slots (gather first, then scatter), as the
-        KV move kernels do (int64 ``[M]`` global slot ids, disjoint sets)."""
+        KV move kernels do (int64 ``[M]`` global slot ids, disjoint within a set); ``sets``:
+        int64 ``[M]``, the set each move belongs to (None: every set moves alike)."""
         if src.numel():
             for t in self.fields.values():
-                t[dst] = t[src]
+                if sets is None:
+                    t[dst] = t[src]
+                else:
+                    t[dst, sets] = t[src, sets]
 
 
 class Eviction(NamedTuple):
@@ -100,7 +111,9 @@ class Eviction(NamedTuple):
         new_live: int64 ``[R]`` live tokens per request afterwards.
         evicted_pos: int64 ``[V]`` logical positions evicted, ``evicted_rows`` int64 ``[V]`` their
             batch rows (Naive-Evict's dead-block accounting; prefix caching's first evicted
-            position is their per-row minimum).
+            position is their per-row minimum); with several sets, every set's victims.
+        sets: int64 ``[M]``: the token set of each move (all 0 with one set); a move of set
+            ``s`` applies to the (layer, KV head) pairs that set covers (``docs/granularity.md``).
     """
 
     src: torch.Tensor
@@ -111,6 +124,7 @@ class Eviction(NamedTuple):
     new_live: torch.Tensor
     evicted_pos: torch.Tensor
     evicted_rows: torch.Tensor
+    sets: torch.Tensor
 
 
 class DeviceDecider:
@@ -122,6 +136,10 @@ class DeviceDecider:
         block_size: tokens per block.
         max_requests: request rows (``max_num_seqs``).
         device: the KV cache's device.
+        num_sets: token sets per request (``docs/granularity.md``). Every set of a request
+            keeps the same live count (the request's ``live``); each has its own slot ->
+            logical position map and policy state, and evicts the same ``k`` with the same
+            protections. The policy's batched methods see one row per (request, set).
 
     Every method takes ``rows`` (int64 ``[R]``, distinct request rows) and ``block_table``
     (int ``[R, max_blocks]``: row ``i`` lists the blocks of request ``rows[i]``, before any
@@ -129,13 +147,14 @@ class DeviceDecider:
     """
 
     def __init__(self, policy: EvictionPolicy, num_slots: int, block_size: int, max_requests: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", num_sets: int = 1):
         self.policy = policy
         self.block_size = int(block_size)
-        self.side = SideCache(num_slots, policy.side_specs(), device)
+        self.side = SideCache(num_slots, policy.side_specs(), device, num_sets)
+        self.num_sets = self.side.num_sets
         self.live = torch.zeros(max_requests, dtype=torch.int64, device=device)
         self.logical = torch.zeros(max_requests, dtype=torch.int64, device=device)
-        self.req_fields = {k: torch.zeros(max_requests, dtype=dt, device=device)
+        self.req_fields = {k: torch.zeros((max_requests, self.num_sets), dtype=dt, device=device)
                            for k, dt in policy.request_specs().items()}
 
     def ensure_rows(self, n: int) -> None:
@@ -143,9 +162,24 @@ class DeviceDecider:
         have = self.live.shape[0]
         if n <= have:
             return
-        grow = lambda t: torch.cat([t, torch.zeros(n - have, dtype=t.dtype, device=t.device)])  # noqa: E731
+        grow = lambda t: torch.cat([t, torch.zeros((n - have, *t.shape[1:]), dtype=t.dtype, device=t.device)])  # noqa: E731
         self.live, self.logical = grow(self.live), grow(self.logical)
         self.req_fields = {k: grow(t) for k, t in self.req_fields.items()}
+
+    # (request, set) rows: [R, N, S, *lead] <-> [R*S, N, *lead]
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        r, n, s = t.shape[:3]
+        return t.movedim(2, 1).reshape(r * s, n, *t.shape[3:])
+
+    def _unflat(self, t: torch.Tensor) -> torch.Tensor:
+        rs, n = t.shape[:2]
+        return t.reshape(rs // self.num_sets, self.num_sets, n, *t.shape[2:]).movedim(1, 2)
+
+    def _rep(self, v: torch.Tensor | int) -> torch.Tensor | int:
+        """A per-request value ``[R]`` repeated for each of its sets ``[R*S]`` (ints pass)."""
+        if isinstance(v, torch.Tensor) and self.num_sets > 1:
+            return v.repeat_interleave(self.num_sets)
+        return v
 
     def _slots(self, rows: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slots ``[R, n]`` of each row's request-relative slots ``0..n-1`` (padding slots
@@ -167,7 +201,8 @@ class DeviceDecider:
 
     def append(self, rows: torch.Tensor, block_table: torch.Tensor, counts: torch.Tensor) -> None:
         """Append ``counts[i]`` new tokens to request ``rows[i]``: logical positions
-        ``logical..logical+count-1`` go to slots ``live..live+count-1``, with zeroed state.
+        ``logical..logical+count-1`` go to slots ``live..live+count-1`` in every set, with
+        zeroed state.
 
         Args:
             counts: int64 ``[R]``, ``>= 0``; the block table must cover the new slots.
@@ -187,31 +222,52 @@ class DeviceDecider:
         at = slots[mask]
         for k, t in self.side.fields.items():
             t[at] = 0
-        self.side.fields["pos"][at] = (self.logical[rows][:, None] + j[None, :])[mask]
+        self.side.fields["pos"][at] = (self.logical[rows][:, None] + j[None, :])[mask][:, None]
         self.live[rows] += counts
         self.logical[rows] += counts
 
     def observe(self, rows: torch.Tensor, block_table: torch.Tensor, col_sum: Optional[torch.Tensor],
                 last_row: Optional[torch.Tensor]) -> None:
-        """Fold one step's statistics (float ``[R, N]`` in slot order, ``N >= max live``; or
-        None) into the side cache: :meth:`EvictionPolicy.observe_batched`."""
+        """Fold one step's statistics into the side cache: :meth:`EvictionPolicy.observe_batched`
+        on every (request, set) row.
+
+        Args:
+            col_sum, last_row: float ``[R, N]`` (one set) or ``[R, S, N]``, in each set's slot
+                order, ``N >= max live``; or None.
+        """
         if rows.shape[0] == 0 or (col_sum is None and last_row is None):
             return
-        n = (col_sum if col_sum is not None else last_row).shape[1]
+        r, sets = rows.shape[0], self.num_sets
+        shaped = []
+        for x in (col_sum, last_row):
+            if x is not None:
+                if x.dim() == 2:
+                    x = x[:, None, :]
+                if x.shape[:2] != (r, sets):
+                    raise ValueError(f"statistics have shape {tuple(x.shape)}; expected [{r}, {sets}, N] "
+                                     f"(requests, token sets, slots)")
+            shaped.append(x)
+        col_sum, last_row = shaped
+        n = (col_sum if col_sum is not None else last_row).shape[2]
         slots, mask = self._slots(rows, block_table, n)
-        fields = self.side.gather(slots, [k for k in self.side.fields if k != "pos"])
-        req = {k: t[rows] for k, t in self.req_fields.items()}
-        live = self.live[rows]
-        zero = lambda x: None if x is None else torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))  # noqa: E731
+        fields = {k: self._flat(v) for k, v in self.side.gather(slots, [k for k in self.side.fields if k != "pos"]).items()}
+        req = {k: t[rows].reshape(r * sets) for k, t in self.req_fields.items()}
+        live = self._rep(self.live[rows])
+        mask_f = self._rep_mask(mask)
+        zero = lambda x: None if x is None else torch.where(mask_f, x.reshape(r * sets, n), torch.zeros((), dtype=x.dtype, device=x.device))  # noqa: E731
         self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row))
-        self.side.scatter(slots, mask, fields)
+        self.side.scatter(slots, mask, {k: self._unflat(v) for k, v in fields.items()})
         for k, t in self.req_fields.items():
-            t[rows] = req[k]
+            t[rows] = req[k].reshape(r, sets)
+
+    def _rep_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.repeat_interleave(self.num_sets, dim=0) if self.num_sets > 1 else mask
 
     def evict(self, rows: torch.Tensor, block_table: torch.Tensor, k: torch.Tensor, *,
               sink_tokens: torch.Tensor | int = 0, recent_tokens: torch.Tensor | int = 0,
               protected_prefix: torch.Tensor | int = 0, width: Optional[int] = None) -> Eviction:
-        """Evict ``k[i]`` tokens of request ``rows[i]`` (module docstring, steps 1-3).
+        """Evict ``k[i]`` tokens of request ``rows[i]`` from each of its sets (module docstring,
+        steps 1-3).
 
         Args:
             k: int64 ``[R]`` tokens to evict (``<= 0``: none).
@@ -220,28 +276,44 @@ class DeviceDecider:
 
         Returns:
             :class:`Eviction`. The side cache (``pos`` and the policy's fields) and the live
-            counts are updated; the caller applies ``(src, dst)`` to the KV cache before any
-            KV write of the step, then truncates the block tables to ``cdiv(new_live, B)``.
+            counts are updated; the caller applies ``(src, dst)`` to the KV cache (set by set,
+            ``Eviction.sets``) before any KV write of the step, then truncates the block
+            tables to ``cdiv(new_live, B)``.
+
+        Raises:
+            RuntimeError: the sets of a request would keep different counts (a protection
+                that is not on logical positions; cannot happen with this module's rules).
         """
         live = self.live[rows]
-        n = int(live.max()) if width is None and rows.shape[0] else (width or 0)
+        r, sets = rows.shape[0], self.num_sets
+        n = int(live.max()) if width is None and r else (width or 0)
         slots, mask = self._slots(rows, block_table, n)
-        fields = self.side.gather(slots)
+        fields = {name: self._flat(v) for name, v in self.side.gather(slots).items()}
         pos = fields.pop("pos")
-        req = {name: t[rows] for name, t in self.req_fields.items()}
-        scores = self.policy.score_batched({**fields, **req}, pos, live)
-        victims = select_victims(scores, pos, live, k, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                 protected_prefix=protected_prefix, num_logical=self.logical[rows])
-        plan = plan_moves(victims, live)
+        req = {name: t[rows].reshape(r * sets) for name, t in self.req_fields.items()}
+        live_f = self._rep(live)
+        scores = self.policy.score_batched({**fields, **req}, pos, live_f)
+        victims = select_victims(scores, pos, live_f, self._rep(k), sink_tokens=self._rep(sink_tokens),
+                                 recent_tokens=self._rep(recent_tokens),
+                                 protected_prefix=self._rep(protected_prefix), num_logical=self._rep(self.logical[rows]))
+        plan = plan_moves(victims, live_f)
+        new_live = plan.new_live.view(r, sets)
+        if sets > 1 and r and not bool((new_live == new_live[:, :1]).all()):  # one host sync
+            raise RuntimeError(f"vToken: token sets of a request would keep different counts: {new_live.tolist()}")
         ev_rows, ev_cols = victims.nonzero(as_tuple=True)
-        src = slots[plan.rows, plan.src]
-        dst = slots[plan.rows, plan.dst]
-        self.side.move(src, dst)
-        self.live[rows] = plan.new_live
-        return Eviction(src, dst, plan.rows, plan.src, plan.dst, plan.new_live, pos[ev_rows, ev_cols], ev_rows)
+        req_rows = plan.rows // sets if sets > 1 else plan.rows
+        set_ids = plan.rows % sets if sets > 1 else torch.zeros_like(plan.rows)
+        src = slots[req_rows, plan.src]
+        dst = slots[req_rows, plan.dst]
+        self.side.move(src, dst, set_ids if sets > 1 else None)
+        self.live[rows] = new_live[:, 0]
+        ev_req = ev_rows // sets if sets > 1 else ev_rows
+        return Eviction(src, dst, req_rows, plan.src, plan.dst, new_live[:, 0], pos[ev_rows, ev_cols], ev_req, set_ids)
 
-    def logical_pos(self, row: int, block_table_row: torch.Tensor) -> torch.Tensor:
-        """int64 ``[live]``: request ``row``'s slot -> logical position (tests, snapshots)."""
+    def logical_pos(self, row: int, block_table_row: torch.Tensor, set_index: int = 0) -> torch.Tensor:
+        """int64 ``[live]``: request ``row``'s slot -> logical position in set ``set_index``
+        (tests, snapshots)."""
         n = int(self.live[row])
         rel = torch.arange(n, device=block_table_row.device)
-        return self.side.fields["pos"][global_slots(block_table_row[None, :], torch.zeros_like(rel), rel, self.block_size)]
+        return self.side.fields["pos"][global_slots(block_table_row[None, :], torch.zeros_like(rel), rel, self.block_size),
+                                       set_index]

@@ -46,7 +46,7 @@ class _Ref:
         return positions, plan
 
 
-def _run(policy_name, seed, device, steps=12, num_req=5, budget=10):
+def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1):
     rng = np.random.default_rng(seed)
     cfg = VTokenConfig(policy=policy_name, budget=budget, seed=seed % 7,
                        **({"policy_args": {"window": 3}} if policy_name == "scissorhands" else {}))
@@ -57,10 +57,12 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10):
     # each request's block table: distinct random block ids (as vLLM's pool hands them out)
     perm = rng.permutation(num_blocks)[: num_req * max_blocks].reshape(num_req, max_blocks)
     bt = torch.tensor(perm, dtype=torch.int64, device=device)
-    dec = DeviceDecider(pol, num_blocks * B, B, max_requests=num_req + 2, device=device)
+    dec = DeviceDecider(pol, num_blocks * B, B, max_requests=num_req + 2, device=device, num_sets=sets)
     rows_all = torch.arange(num_req, device=device) + 2  # rows need not start at 0
     dec.reset(rows_all)
-    refs = [_Ref(pol) for _ in range(num_req)]
+    # one independent per-request reference per (request, token set): each set decides alone
+    refs_sets = [[_Ref(pol) for _ in range(sets)] for _ in range(num_req)]
+    refs = [r[0] for r in refs_sets]
     prefix = rng.integers(0, 6, num_req)
     prefill = rng.integers(1, 20, num_req)
     counts_log = []
@@ -82,28 +84,37 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10):
         ev = dec.evict(rows, bt[run], torch.tensor(k, device=device), sink_tokens=sinks, recent_tokens=recent,
                        protected_prefix=torch.tensor(prefix[run], device=device))
         for j, i in enumerate(run):
-            pos, plan = refs[i].evict(int(k[j]), int(prefix[i]))
+            all_pos = []
+            for s_ in range(sets):
+                pos, plan = refs_sets[i][s_].evict(int(k[j]), int(prefix[i]))
+                all_pos += pos.tolist()
+                sel = (ev.rows == j) & (ev.sets == s_)
+                assert ev.src_slot[sel].tolist() == plan.src.tolist() and ev.dst_slot[sel].tolist() == plan.dst.tolist()
+                ids = bt[i].cpu().numpy()
+                assert ev.src[sel].tolist() == (ids[plan.src // B] * B + plan.src % B).tolist()
+                assert ev.dst[sel].tolist() == (ids[plan.dst // B] * B + plan.dst % B).tolist()
+                assert int(ev.new_live[j]) == refs_sets[i][s_].table.num_live
             got_pos = sorted(ev.evicted_pos[ev.evicted_rows == j].tolist())
-            assert got_pos == sorted(pos.tolist()), (policy_name, step, i)
-            sel = ev.rows == j
-            assert ev.src_slot[sel].tolist() == plan.src.tolist() and ev.dst_slot[sel].tolist() == plan.dst.tolist()
-            ids = bt[i].cpu().numpy()
-            assert ev.src[sel].tolist() == (ids[plan.src // B] * B + plan.src % B).tolist()
-            assert int(ev.new_live[j]) == refs[i].table.num_live
+            assert got_pos == sorted(all_pos), (policy_name, step, i)
         # 2. append this step's tokens
         c = counts[run]
         dec.append(rows, bt[run], torch.tensor(c, device=device))
         for j, i in enumerate(run):
-            refs[i].append(int(c[j]))
+            for ref in refs_sets[i]:
+                ref.append(int(c[j]))
         # 3. the forward's statistics, in slot order (ties on purpose: a coarse grid)
         width = max(r.table.num_live for r in refs) + 2
-        col = np.round(rng.random((len(run), width)) * 4) / 4
-        last = np.round(rng.random((len(run), width)) * 8) / 8 / 4
+        # (one row per set: [R, S, N]; with one set also the [R, N] form)
+        col = np.round(rng.random((len(run), sets, width)) * 4) / 4
+        last = np.round(rng.random((len(run), sets, width)) * 8) / 8 / 4
         samples = (prefill[run] <= 9) | (step != 0)  # a non-final prefill chunk has no last row
         for j, i in enumerate(run):
             n = refs[i].table.num_live
-            refs[i].observe(col[j, :n].copy() if pol.needs & AttentionNeed.COL_SUM else None,
-                            last[j, :n].copy() if pol.needs & AttentionNeed.LAST_ROW and samples[j] else None)
+            for s_, ref in enumerate(refs_sets[i]):
+                ref.observe(col[j, s_, :n].copy() if pol.needs & AttentionNeed.COL_SUM else None,
+                            last[j, s_, :n].copy() if pol.needs & AttentionNeed.LAST_ROW and samples[j] else None)
+        if sets == 1:
+            col, last = col[:, 0], last[:, 0]
         if pol.needs != AttentionNeed.NONE:
             # the batch shares one kind of step: observe sampling and non-sampling rows apart
             for part in (np.flatnonzero(samples), np.flatnonzero(~samples)):
@@ -116,8 +127,9 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10):
         counts_log.append(len(run))
         # 4. the token tables agree
         for i in range(num_req):
-            got = dec.logical_pos(int(rows_all[i]), bt[i]).tolist()
-            assert got == refs[i].table.logical_pos.tolist(), (policy_name, step, i)
+            for s_ in range(sets):
+                got = dec.logical_pos(int(rows_all[i]), bt[i], s_).tolist()
+                assert got == refs_sets[i][s_].table.logical_pos.tolist(), (policy_name, step, i, s_)
     return sum(r.table.offset for r in refs)
 
 
@@ -129,6 +141,35 @@ def test_batched_path_equals_per_request_path(policy_name, device, seed):
     _run(policy_name, seed, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy_name", POLICIES)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), sets=st.integers(2, 4))
+def test_token_sets_each_equal_an_independent_request(policy_name, device, seed, sets):
+    """``num_sets`` > 1 (issue 23, ``docs/granularity.md``): each set of a request, fed its own
+    statistics, decides, moves and keeps its table exactly as an independent per-request
+    reference would; all sets keep the same count."""
+    _run(policy_name, seed, device, sets=sets)
+
+
+def test_token_sets_differ_when_their_statistics_differ():
+    """Not vacuous: with per-set statistics, H2O's sets hold different positions."""
+    cfg = VTokenConfig(policy="h2o", budget=6, recent_tokens=1)
+    dec = DeviceDecider(cfg.make_policy(), 64, B, max_requests=2, num_sets=2)
+    rows, bt = torch.tensor([0]), torch.arange(8)[None, :]
+    dec.reset(rows)
+    dec.append(rows, bt, torch.tensor([10]))
+    col = torch.zeros(1, 2, 10, dtype=torch.float64)
+    col[0, 0, :5] = 1.0  # set 0 keeps the first tokens, set 1 the last ones
+    col[0, 1, 5:] = 1.0
+    dec.observe(rows, bt, col, None)
+    ev = dec.evict(rows, bt, torch.tensor([4]))
+    assert ev.new_live.tolist() == [6]
+    assert sorted(dec.logical_pos(0, bt[0], 0).tolist()) == [0, 1, 2, 3, 4, 9]
+    assert sorted(dec.logical_pos(0, bt[0], 1).tolist()) == [4, 5, 6, 7, 8, 9]
+    assert ev.sets.tolist().count(0) == 1 and ev.sets.tolist().count(1) == 4  # set 0: 9 -> 5; set 1: 4..9 -> 0..3
+
+
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_traces_evict(policy_name):
     """The traces above are not vacuous: requests do evict, and tokens do move."""
@@ -138,12 +179,20 @@ def test_traces_evict(policy_name):
 def test_side_cache_moves_every_field_and_counts_bytes():
     sc = SideCache(8, {"acc": ((), torch.float64), "hist": ((3,), torch.bool)})
     assert sc.bytes_per_token == 8 + 8 + 3
-    sc.fields["pos"][:] = torch.arange(8)
-    sc.fields["acc"][:] = torch.arange(8, dtype=torch.float64) / 2
-    sc.fields["hist"][5] = torch.tensor([True, False, True])
+    sc.fields["pos"][:, 0] = torch.arange(8)
+    sc.fields["acc"][:, 0] = torch.arange(8, dtype=torch.float64) / 2
+    sc.fields["hist"][5, 0] = torch.tensor([True, False, True])
     sc.move(torch.tensor([5, 7]), torch.tensor([1, 2]))
-    assert sc.fields["pos"].tolist() == [0, 5, 7, 3, 4, 5, 6, 7]
-    assert sc.fields["acc"][1:3].tolist() == [2.5, 3.5]
-    assert sc.fields["hist"][1].tolist() == [True, False, True]
+    assert sc.fields["pos"][:, 0].tolist() == [0, 5, 7, 3, 4, 5, 6, 7]
+    assert sc.fields["acc"][1:3, 0].tolist() == [2.5, 3.5]
+    assert sc.fields["hist"][1, 0].tolist() == [True, False, True]
+    # two sets: a move of set 1 leaves set 0's slots alone
+    two = SideCache(4, {}, num_sets=2)
+    assert two.bytes_per_token == 16
+    two.fields["pos"][:] = torch.tensor([[0, 10], [1, 11], [2, 12], [3, 13]])
+    two.move(torch.tensor([3]), torch.tensor([0]), torch.tensor([1]))
+    assert two.fields["pos"].tolist() == [[0, 13], [1, 11], [2, 12], [3, 13]]
+    with pytest.raises(ValueError, match="num_sets = 0"):
+        SideCache(4, {}, num_sets=0)
     with pytest.raises(ValueError, match="'pos' is reserved"):
         SideCache(4, {"pos": ((), torch.int64)})

@@ -28,6 +28,8 @@ class WorkerSpec(NamedTuple):
         sink_tokens, recent_tokens, protected_prefix: its protections, in tokens.
         cached_tokens: prefix-cache hit: its first tokens whose KV is already in its first
             blocks (computed by an earlier request); the worker appends them with the step's.
+        granularity: its token sets (``request``, ``layer``, ``head``, ``head_shared``;
+            ``docs/granularity.md``), resolved from the config.
     """
 
     policy: Any
@@ -35,8 +37,10 @@ class WorkerSpec(NamedTuple):
     recent_tokens: int
     protected_prefix: int
     cached_tokens: int = 0
+    granularity: str = "request"
 
-#: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot.
+#: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot
+#: (``decide_on: worker`` with several token sets: ``[S, num_live]``, each set in its own slot order).
 ScoreMap = dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from vtoken.config import VTokenConfigError, parse_config
+from vtoken.config import RequestOverrides, VTokenConfigError, parse_config
 from vtoken.integrations.vllm.frontend import requests as frontend
 from vtoken.integrations.vllm.frontend import platforms
 from vtoken.integrations.vllm.frontend import refusals
@@ -155,7 +155,7 @@ def _wrap_sampling_params_verify() -> None:
         res = orig(self, *args, **kwargs)
         extra = self.extra_args
         if extra and any(isinstance(k, str) and k.startswith("vtoken_") for k in extra):
-            known = {"vtoken_enable", "vtoken_budget", "vtoken_policy"}
+            known = set(RequestOverrides.model_fields)
             unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("vtoken_") and k not in known)
             if unknown:
                 # the start-up format (vtoken.config): "<where>.<key> = <value>: <problem>; allowed: ..."

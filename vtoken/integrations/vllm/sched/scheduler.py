@@ -499,7 +499,7 @@ class VTokenSchedulerMixin:
             self._vt_offset_updates = {}
         if self._vt_new_states:
             payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
-                                              st.cached_tokens)
+                                              st.cached_tokens, st.cfg.resolved_granularity())
                               for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
             self._vt_new_states = {}
 

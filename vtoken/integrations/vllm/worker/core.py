@@ -68,6 +68,7 @@ class VTokenWorkerCore:
         self.refill: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # req_id -> (positions, ids), this step
         self.step: Optional[StepScores] = None
         self._caches: Optional[list[tuple[torch.Tensor, KVLayout]]] = None
+        self._layer_idx: Optional[dict[int, int]] = None
         self._tp = None  # vLLM's TP GroupCoordinator, looked up on the first scored step
         #: all-reduces issued and float64 bytes they carried (this rank; 0 when TP == 1)
         self.reduce_calls = 0
@@ -103,7 +104,8 @@ class VTokenWorkerCore:
                 res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
                 st = core.step
                 if st is not None and attn_metadata is not None and kv_cache.numel() > 0:
-                    st.accumulate(_impl, query, kv_cache, attn_metadata, core.layout_for(lyr, kv_cache))
+                    st.accumulate(_impl, query, kv_cache, attn_metadata, core.layout_for(lyr, kv_cache),
+                                  layer_index=core.layer_index(kv_cache) if st.grans else None)
                 return res
 
             impl.forward = fwd
@@ -142,12 +144,11 @@ class VTokenWorkerCore:
             caches = self.kv_caches()
             kv = caches[0][0]  # every layout's view: [num_blocks, H, block_size, 2*hd]
             self.decisions = WorkerDecisions(kv.shape[0], kv.shape[2], kv.device,
-                                             kv_bytes=sum(t.numel() * t.element_size() for t, _ in caches))
+                                             kv_bytes=sum(t.numel() * t.element_size() for t, _ in caches),
+                                             num_layers=len(caches), num_kv_heads=kv.shape[1])
         if self.decisions is not None and scheduler_output is not None:
-            moves = self.decisions.begin(scheduler_output, payload)
-            if moves is not None and moves[0].numel():
-                for kv, lay in self.kv_caches():
-                    lay.move_tokens(kv, moves[0], moves[1])
+            for gran, src, dst, sets in self.decisions.begin(scheduler_output, payload):
+                self._apply_set_moves(gran, src, dst, sets)
         if payload is not None:
             if payload.num_moves:
                 src = torch.from_numpy(payload.src)
@@ -165,6 +166,35 @@ class VTokenWorkerCore:
             self.score_reqs = {}
             self.refill = {}
         self.forget(finished)
+
+    def _apply_set_moves(self, gran: str, src: torch.Tensor, dst: torch.Tensor, sets: torch.Tensor) -> None:
+        """Apply one group's K/V moves to the (layer, KV head) pairs each move's token set covers
+        (``docs/granularity.md``; layer ``l`` is the ``l``-th of :meth:`kv_caches`, the order
+        :meth:`wrap_attention` numbers the scored layers by)."""
+        if not src.numel():
+            return
+        caches = self.kv_caches()
+        if gran == "request":
+            for kv, lay in caches:
+                lay.move_tokens(kv, src, dst)
+        elif gran == "head_shared":
+            for kv, lay in caches:
+                lay.move_tokens(kv, src, dst, heads=sets)
+        elif gran in ("layer", "head"):
+            hk = caches[0][0].shape[1]
+            layer = sets if gran == "layer" else sets // hk
+            for l_idx, (kv, lay) in enumerate(caches):
+                m = layer == l_idx
+                if bool(m.any()):
+                    lay.move_tokens(kv, src[m], dst[m], heads=None if gran == "layer" else sets[m] % hk)
+        else:
+            raise ValueError(f"vToken: unknown granularity {gran!r}")
+
+    def layer_index(self, kv_cache: torch.Tensor) -> int:
+        """Index of a layer's KV cache in :meth:`kv_caches` (the layer's token sets)."""
+        if self._layer_idx is None:
+            self._layer_idx = {t.data_ptr(): i for i, (t, _) in enumerate(self.kv_caches())}
+        return self._layer_idx[kv_cache.data_ptr()]
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop the offsets of requests that finished or were preempted."""
@@ -214,7 +244,10 @@ class VTokenWorkerCore:
         if self.score_reqs:
             rows = [(i, r, self.score_reqs[r]) for i, r in enumerate(req_ids) if r in self.score_reqs]
             if rows:
-                self.step = StepScores(rows)
+                grans = None
+                if self.decisions is not None:
+                    grans = {r: g for _, r, _ in rows if (g := self.decisions.granularity(r)) != "request"} or None
+                self.step = StepScores(rows, grans=grans)
 
     def take_scores(self) -> Optional[ScoreMap]:
         """The step's statistics (req_id -> (col_sum, last_row)), or None; disarms :attr:`step`.
@@ -263,15 +296,20 @@ class VTokenWorkerCore:
         already divided), as :mod:`vtoken.policies.base` defines. Equal to the TP=1 value
         up to float reduction order.
 
+        Requests with per-head token sets (``head``, ``head_shared``) are left out: each rank
+        decides for its own KV heads. ``layer`` sets (``[L, n]``) are summed like the rest.
+
         Returns:
-            req_id -> (col_sum, last_row), float64 ``[num_live]``.
+            req_id -> (col_sum, last_row), float64 ``[num_live]`` (``[S, num_live]`` for sets).
         """
         res = st.result() if st is not None else {}
-        order = [rid for _, rid, _ in (st.rows if st is not None else []) if rid in res]
+        # per-head sets (head, head_shared) are this rank's own KV heads: nothing to sum
+        local = {rid for rid, g in (st.grans if st is not None else {}).items() if g in ("head", "head_shared")}
+        order = [rid for _, rid, _ in (st.rows if st is not None else []) if rid in res and rid not in local]
         h = float(st.num_heads) if st is not None else 0.0
         parts = [np.array([h])]
         for rid in order:
-            parts += [h * a for a in res[rid] if a is not None]
+            parts += [h * a.ravel() for a in res[rid] if a is not None]
         flat = torch.from_numpy(np.concatenate(parts))
         t0 = time.perf_counter()
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self._tp.cpu_group)
@@ -281,7 +319,7 @@ class VTokenWorkerCore:
         if self.test_dir:
             self._test_log("allreduce", dict(bytes=flat.numel() * flat.element_size(), rows=len(order), us=dt * 1e6))
         total = float(flat[0])
-        out: ScoreMap = {}
+        out: ScoreMap = {rid: res[rid] for rid in local if rid in res}
         i = 1
         for rid in order:
             got = []
@@ -289,8 +327,8 @@ class VTokenWorkerCore:
                 if a is None:
                     got.append(None)
                     continue
-                got.append((flat[i:i + a.shape[0]] / total).numpy())
-                i += a.shape[0]
+                got.append((flat[i:i + a.size] / total).numpy().reshape(a.shape))
+                i += a.size
             out[rid] = (got[0], got[1])
         if i != flat.numel():  # cannot happen when every rank packed the same layout
             raise RuntimeError(f"vToken: TP score reduction unpacked {i} of {flat.numel()} values")

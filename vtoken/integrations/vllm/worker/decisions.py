@@ -41,12 +41,20 @@ __all__ = ["WorkerDecisions"]
 logger = logging.getLogger("vllm.vtoken")
 
 
-class _Group:
-    """The requests of one policy: a decider, request rows, and the block ids of each row."""
+def num_sets(granularity: str, num_layers: int, num_kv_heads: int) -> int:
+    """Token sets per request for ``granularity`` (``docs/granularity.md``)."""
+    return {"request": 1, "layer": num_layers, "head": num_layers * num_kv_heads,
+            "head_shared": num_kv_heads}[granularity]
 
-    def __init__(self, policy, num_slots: int, block_size: int, device):
+
+class _Group:
+    """The requests of one policy and granularity: a decider, request rows, and the block ids of
+    each row."""
+
+    def __init__(self, policy, granularity: str, sets: int, num_slots: int, block_size: int, device):
         self.policy = policy
-        self.dec = DeviceDecider(policy, num_slots, block_size, max_requests=16, device=device)
+        self.granularity = granularity
+        self.dec = DeviceDecider(policy, num_slots, block_size, max_requests=16, device=device, num_sets=sets)
         self.free: list[int] = list(range(15, -1, -1))
         self.bt = np.zeros((16, 16), dtype=np.int64)  # row -> block ids (a prefix of nblocks[row])
         self.nblocks = np.zeros(16, dtype=np.int64)
@@ -84,15 +92,21 @@ class WorkerDecisions:
         num_blocks, block_size: the KV cache's pool (the side caches shadow every slot).
         device: the KV cache's device.
         kv_bytes: bytes of this worker's KV cache (all layers), for the side-cache log line.
+        num_layers, num_kv_heads: this worker's attention layers and KV heads per layer (its own,
+            under tensor parallelism): the token sets of ``layer``, ``head`` and ``head_shared``.
 
-    Memory: each policy group's side cache holds ``bytes_per_token`` per KV slot (8 for the
-    logical position, plus the policy's state: 8 for H2O or TOVA, ``window`` for Scissorhands),
+    Memory: each (policy, granularity) group's side cache holds ``bytes_per_token`` per KV slot
+    (8 for the logical position, plus the policy's state: 8 for H2O or TOVA, ``window`` for
+    Scissorhands; times the token sets per request),
     allocated on the first request of that policy and logged with its share of the KV cache. It
     is not yet taken out of the KV pool's sizing (``docs/device-decisions.md``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str, kv_bytes: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str, kv_bytes: int = 0,
+                 num_layers: int = 1, num_kv_heads: int = 1):
         self.kv_bytes = int(kv_bytes)
+        self.num_layers = int(num_layers)
+        self.num_kv_heads = int(num_kv_heads)
         self.block_size = int(block_size)
         self.num_slots = int(num_blocks) * self.block_size
         self.device = device
@@ -100,8 +114,13 @@ class WorkerDecisions:
         self.where: dict[str, tuple[_Group, int, WorkerSpec]] = {}  # req_id -> (group, row, spec)
 
     @staticmethod
-    def _key(policy) -> str:
-        return repr(dataclasses.replace(policy, sink_tokens=0, recent_tokens=0))
+    def _key(spec: WorkerSpec) -> str:
+        return f"{spec.granularity}:{dataclasses.replace(spec.policy, sink_tokens=0, recent_tokens=0)!r}"
+
+    def granularity(self, rid: str) -> str:
+        """The token-set granularity of a tracked request (``request`` for an unknown one)."""
+        got = self.where.get(rid)
+        return "request" if got is None else got[0].granularity
 
     def bytes_per_token(self) -> int:
         """Side-cache bytes per KV slot over every policy group so far."""
@@ -112,11 +131,13 @@ class WorkerDecisions:
         if got is not None:
             got[0].free.append(got[1])
 
-    def begin(self, scheduler_output: Any, payload: Optional[StepPayload]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def begin(self, scheduler_output: Any, payload: Optional[StepPayload]) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Everything before the step's forward (module docstring).
 
         Returns:
-            ``(src, dst)``, int64 global slot ids of the step's K/V moves (every group), or None.
+            per group that moved tokens: ``(granularity, src, dst, sets)``, int64 ``[M]`` global
+            slot ids of the K/V moves and the token set of each (``docs/granularity.md``: which
+            layers and KV heads a set's moves apply to).
         """
         for rid in scheduler_output.finished_req_ids:
             self._drop(rid)
@@ -126,19 +147,22 @@ class WorkerDecisions:
             payload = StepPayload()
         for rid, spec in payload.states.items():
             self._drop(rid)
-            key = self._key(spec.policy)
+            key = self._key(spec)
             g = self.groups.get(key)
             if g is None:
-                g = self.groups[key] = _Group(spec.policy, self.num_slots, self.block_size, self.device)
+                sets = num_sets(spec.granularity, self.num_layers, self.num_kv_heads)
+                g = self.groups[key] = _Group(spec.policy, spec.granularity, sets, self.num_slots, self.block_size,
+                                              self.device)
                 b = g.dec.side.bytes_per_token
                 args = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)
                         if f.name not in ("sink_tokens", "recent_tokens")}
-                logger.info("vToken: worker-side decisions for policy %s %s (sinks and recent window per request): "
-                            "side cache %d bytes per token, %.1f MiB (%.2f%% of the KV cache)", spec.policy.name, args,
+                logger.info("vToken: worker-side decisions for policy %s %s, granularity %s (%d token sets per "
+                            "request; sinks and recent window per request): side cache %d bytes per token, %.1f MiB "
+                            "(%.2f%% of the KV cache)", spec.policy.name, args, spec.granularity, sets,
                             b, b * self.num_slots / 2**20,
                             100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
             self.where[rid] = (g, g.add(), spec)
-        moves = self._evict(payload.evict) if payload.evict else None
+        moves = self._evict(payload.evict) if payload.evict else []
         for rid, keep in payload.truncate.items():
             got = self.where.get(rid)
             if got is not None:
@@ -163,8 +187,8 @@ class WorkerDecisions:
             e[2].append(rid)
         return out
 
-    def _evict(self, evict: dict[str, int]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        srcs, dsts = [], []
+    def _evict(self, evict: dict[str, int]) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        out = []
         for g, rows, rids in self._by_group(evict).values():
             dev = g.dec.live.device
             spec = [self.where[r][2] for r in rids]
@@ -173,11 +197,8 @@ class WorkerDecisions:
                              sink_tokens=torch.tensor([s.sink_tokens for s in spec], device=dev),
                              recent_tokens=torch.tensor([s.recent_tokens for s in spec], device=dev),
                              protected_prefix=torch.tensor([s.protected_prefix for s in spec], device=dev))
-            srcs.append(ev.src)
-            dsts.append(ev.dst)
-        if not srcs:
-            return None
-        return torch.cat(srcs), torch.cat(dsts)
+            out.append((g.granularity, ev.src, ev.dst, ev.sets))
+        return out
 
     def _take_block_ids(self, so: Any) -> None:
         for nr in so.scheduled_new_reqs:
@@ -199,8 +220,9 @@ class WorkerDecisions:
                          torch.tensor([num_scheduled[r] for r in rids], device=dev))
 
     def fold(self, scores: Optional[ScoreMap]) -> None:
-        """Fold the step's statistics (req_id -> (col_sum, last_row), float64 ``[live]``) into
-        the side caches; rows with and without a last row (a non-final prefill chunk) apart."""
+        """Fold the step's statistics (req_id -> (col_sum, last_row), float64 ``[live]``, or
+        ``[S, live]`` with several token sets) into the side caches; rows with and without a last
+        row (a non-final prefill chunk) apart."""
         if not scores:
             return
         for g, rows, rids in self._by_group(scores).values():
@@ -212,15 +234,16 @@ class WorkerDecisions:
             for with_last, part in parts.items():
                 if not part or not (use_col or with_last):
                     continue
-                width = max(len(next(a for a in scores[rid] if a is not None)) for _, rid in part)
-                col = np.zeros((len(part), width)) if use_col else None
-                last = np.zeros((len(part), width)) if with_last else None
+                width = max(next(a for a in scores[rid] if a is not None).shape[-1] for _, rid in part)
+                lead = (g.dec.num_sets,) if g.dec.num_sets > 1 else ()
+                col = np.zeros((len(part), *lead, width)) if use_col else None
+                last = np.zeros((len(part), *lead, width)) if with_last else None
                 for i, (_, rid) in enumerate(part):
                     c, lr = scores[rid]
                     if col is not None:
-                        col[i, : len(c)] = c
+                        col[i, ..., : c.shape[-1]] = c
                     if last is not None:
-                        last[i, : len(lr)] = lr
+                        last[i, ..., : lr.shape[-1]] = lr
                 dev = g.dec.live.device
                 prow = [row for row, _ in part]
                 g.dec.observe(torch.tensor(prow, device=dev), g.table(prow),

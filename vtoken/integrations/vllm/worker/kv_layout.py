@@ -151,13 +151,17 @@ def _regions(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[:, :, 0, :].permute(0, 2, 1), flat[:, :, 1, :].permute(0, 2, 1)
 
 
-def move_tokens_cpu(kv_cache: torch.Tensor, layout: TokenLayout, src: torch.Tensor, dst: torch.Tensor) -> None:
+def move_tokens_cpu(kv_cache: torch.Tensor, layout: TokenLayout, src: torch.Tensor, dst: torch.Tensor,
+                    heads: Optional[torch.Tensor] = None) -> None:
     """Move tokens inside one layer's CPU KV cache, in place (gather all, then scatter).
 
     Args:
         kv_cache: ``[num_blocks, num_kv_heads, block_size, 2*head_size]``, any dtype; mutated.
         layout: the probed :class:`TokenLayout` for this layer.
-        src, dst: int64 ``[M]`` global slot ids (``block_id * block_size + offset``); disjoint.
+        src, dst: int64 ``[M]`` global slot ids (``block_id * block_size + offset``); disjoint
+            (within a head, when ``heads`` is given).
+        heads: int64 ``[M]``: move only this KV head of each pair (per-head token sets,
+            ``docs/granularity.md``); None: every head.
     """
     if src.numel() == 0:
         return
@@ -167,12 +171,19 @@ def move_tokens_cpu(kv_cache: torch.Tensor, layout: TokenLayout, src: torch.Tens
     if layout.k_strides is not None and layout.v_strides is not None:
         for which, strides in ((0, layout.k_strides), (1, layout.v_strides)):
             view = _token_view(kv_cache, which, strides)
-            view[db, :, do, :] = view[sb, :, so, :]  # [M, H, hd] (a copy: gather first)
+            if heads is None:
+                view[db, :, do, :] = view[sb, :, so, :]  # [M, H, hd] (a copy: gather first)
+            else:
+                view[db, heads, do, :] = view[sb, heads, so, :]  # [M, hd]
         return
     kr, vr = _regions(kv_cache)
     for region, idx in ((kr, layout.idx_k), (vr, layout.idx_v)):
-        vals = region[sb[:, None], idx[so]]  # [M, hd, H] (a copy: gather first)
-        region[db[:, None], idx[do]] = vals
+        if heads is None:
+            vals = region[sb[:, None], idx[so]]  # [M, hd, H] (a copy: gather first)
+            region[db[:, None], idx[do]] = vals
+        else:
+            vals = region[sb[:, None], idx[so], heads[:, None]]  # [M, hd]
+            region[db[:, None], idx[do], heads[:, None]] = vals
 
 
 def gather_keys_cpu(kv_cache: torch.Tensor, layout: TokenLayout, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -202,8 +213,10 @@ class KVLayout(Protocol):
     Slots are global: ``block_id * block_size + offset``.
     """
 
-    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy K and V of slots ``src`` to slots ``dst`` (int64 ``[M]``, disjoint), in place."""
+    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                    heads: Optional[torch.Tensor] = None) -> None:
+        """Copy K and V of slots ``src`` to slots ``dst`` (int64 ``[M]``, disjoint), in place;
+        ``heads`` (int64 ``[M]``): only that KV head of each pair (None: every head)."""
 
     def gather_keys(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """float32 ``[num_kv_heads, num_tokens, head_size]``: keys of a request's slots ``0..num_tokens-1``."""
@@ -226,8 +239,9 @@ class CPUKVLayout:
     def block_size(self) -> int:
         return self.token_layout.block_size
 
-    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        move_tokens_cpu(kv_cache, self.token_layout, src, dst)
+    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                    heads: Optional[torch.Tensor] = None) -> None:
+        move_tokens_cpu(kv_cache, self.token_layout, src, dst, heads)
 
     def gather_keys(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return gather_keys_cpu(kv_cache, self.token_layout, block_ids, num_tokens)
@@ -305,7 +319,12 @@ class PagedKVLayout:
                              f"{tuple(kv_cache.shape)}) give axis order {got}; KVCacheLayout.{self.layout} "
                              f"means {want}")
 
-    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def move_tokens(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                    heads: Optional[torch.Tensor] = None) -> None:
+        if heads is not None:  # per-head token sets: one (slot, head) pair per move, K and V at once
+            bs = kv_cache.shape[2]
+            kv_cache[dst // bs, heads, dst % bs, :] = kv_cache[src // bs, heads, src % bs, :]
+            return
         from vtoken.kernels import move_tokens_paged
 
         move_tokens_paged([kv_cache], src, dst, debug=False)

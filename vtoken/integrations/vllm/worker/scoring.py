@@ -27,7 +27,7 @@ MAX_TILE_ROWS = 128
 
 
 def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: bool,
-                  tile_elems: int = TILE_ELEMS, dtype: torch.dtype = torch.float32,
+                  tile_elems: int = TILE_ELEMS, dtype: torch.dtype = torch.float32, per_kv_head: bool = False,
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Causal attention probabilities of a prefill chunk, reduced to column sums (and last row).
 
@@ -54,10 +54,12 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
         want_last: also return the last query row's probabilities.
         tile_elems: logits elements per tile (tests use small values to force many tiles).
         dtype: dtype of the logits and softmax (float32 in the worker; float64 in tests).
+        per_kv_head: the mean over each KV head's ``G`` query heads instead of over all
+            ``Hq`` (per-head token sets, ``docs/granularity.md``).
 
     Returns:
         ``(col_sum, last_row)``: float64 ``[n]`` (sum over the ``ql`` rows) and float64 ``[n]``
-        or None.
+        or None; ``[Hkv, n]`` each with ``per_kv_head``.
 
     Raises:
         ValueError: ``Hq`` not a multiple of ``Hkv``, or ``n < ql``.
@@ -70,7 +72,8 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
     qh = q.permute(1, 0, 2).to(dtype)  # [Hq, ql, hd]
     T = max(1, min(MAX_TILE_ROWS, tile_elems // (Hq * n)))
     keys = torch.arange(n).view(1, 1, n)
-    col = torch.zeros(n, dtype=torch.float64)
+    G = Hq // Hkv
+    col = torch.zeros((Hkv, n) if per_kv_head else n, dtype=torch.float64)
     last = None
     for t0 in range(0, ql, T):
         t1 = min(ql, t0 + T)
@@ -85,9 +88,13 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
         # Sums in float64 (a float32 reduction rounds differently with the tile's shape): over the
         # tile's rows with a float64 accumulator (no float64 copy of the tile: ~2.7x faster than
         # converting it first), then over heads; the head mean is the division by Hq.
-        col[:hi] += probs.sum(dim=1, dtype=torch.float64).sum(dim=0) / Hq
+        if per_kv_head:
+            col[:, :hi] += probs.sum(dim=1, dtype=torch.float64).view(Hkv, G, hi).sum(dim=1) / G
+        else:
+            col[:hi] += probs.sum(dim=1, dtype=torch.float64).sum(dim=0) / Hq
         if want_last and t1 == ql:
-            last = probs[:, -1].double().mean(dim=0)
+            last = probs[:, -1].double()
+            last = last.view(Hkv, G, hi).mean(dim=1) if per_kv_head else last.mean(dim=0)
     return col, last
 
 
@@ -106,14 +113,24 @@ class StepScores:
     (:func:`prefill_stats`: extra memory linear in the prompt length). The gather indices
     are built once per step, at the first layer.
 
+    Rows of requests with several token sets (``grans``, ``docs/granularity.md``) also keep,
+    per layer, the mean over each KV head's query heads, and :meth:`result` reduces them to
+    their sets: ``[S, n]`` per statistic.
+
     Args:
         rows: ``(batch row, req_id, AttentionNeed value)`` of the rows to score; the batch
             row indexes the attention metadata (``query_start_loc``, ``seq_lens``, ``block_table``).
         tile_elems: see :func:`prefill_stats`; default: the module's :data:`TILE_ELEMS`.
+        grans: req_id -> granularity (``layer``, ``head``, ``head_shared``) of the rows that
+            keep several token sets; None or missing: ``request``.
     """
 
-    def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None):
+    def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None,
+                 grans: Optional[dict[str, str]] = None):
         self.rows = rows
+        self.grans = grans or {}
+        #: per-set rows: req_id -> layer index -> (col [Hkv, n] or None, last [Hkv, n] or None)
+        self._sets: dict[str, dict[int, list[Optional[torch.Tensor]]]] = {}
         self.tile_elems = TILE_ELEMS if tile_elems is None else tile_elems
         self.col: dict[str, torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
@@ -146,7 +163,8 @@ class StepScores:
                         q_index=torch.tensor([x[4] for x in singles]), max_n=max_n)
         return plan
 
-    def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: KVLayout) -> None:
+    def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: KVLayout,
+                   layer_index: Optional[int] = None) -> None:
         """Fold one layer's probabilities in (called by the attention wrapper, every layer).
 
         Args:
@@ -155,6 +173,7 @@ class StepScores:
             kv_cache: the layer's KV cache.
             meta: the backend's attention metadata (physical ``seq_lens`` and slots).
             layout: the backend's :class:`KVLayout` for this layer.
+            layer_index: the layer's index (its token sets; needed when any row has ``grans``).
         """
         if self._plan is None:
             self._plan = self._build(meta, kv_cache)
@@ -172,10 +191,24 @@ class StepScores:
             q = q_all[plan["q_index"]].float().view(R, Hkv, Hq // Hkv, hd)
             logits = torch.einsum("rkgd,rknd->rkgn", q, k) * impl.scale
             logits.masked_fill_(plan["pad"][:, None, None, :], float("-inf"))
-            probs = torch.softmax(logits, dim=-1).mean(dim=(1, 2)).double()  # [R, max_n]
+            p_all = torch.softmax(logits, dim=-1)  # [R, Hkv, G, max_n]
+            probs = p_all.mean(dim=(1, 2)).double()  # [R, max_n]
             self._single_acc = probs if self._single_acc is None else self._single_acc + probs
+            if self.grans:
+                per_head = p_all.double().mean(dim=2)  # [R, Hkv, max_n]: each KV head's query heads
+                for i, (_, rid, need, n, _) in enumerate(plan["singles"]):
+                    if rid in self.grans:
+                        ph = per_head[i, :, :n]
+                        self._sets.setdefault(rid, {})[layer_index] = [
+                            ph if need & AttentionNeed.COL_SUM.value else None,
+                            ph if need & AttentionNeed.LAST_ROW.value else None]
         for row, rid, need, n, qs, qe in plan["multis"]:
             k = layout.gather_keys(kv_cache, meta.block_table[row].to(torch.int64), n)  # [Hkv, n, hd]
+            if rid in self.grans:
+                c, r = prefill_stats(q_all[qs:qe], k, impl.scale, bool(need & AttentionNeed.LAST_ROW.value),
+                                     self.tile_elems, per_kv_head=True)
+                self._sets.setdefault(rid, {})[layer_index] = [c, r]
+                continue
             c, r = prefill_stats(q_all[qs:qe], k, impl.scale, bool(need & AttentionNeed.LAST_ROW.value),
                                  self.tile_elems)
             self.col[rid] = c if rid not in self.col else self.col[rid] + c
@@ -196,4 +229,24 @@ class StepScores:
         for rid, c in self.col.items():
             r = self.last.get(rid)
             out[rid] = ((c / L).numpy(), None if r is None else (r / L).numpy())
+        for rid, layers in self._sets.items():
+            out[rid] = tuple(self._reduce_sets(self.grans[rid], [layers[i][j] for i in sorted(layers)])
+                             for j in (0, 1))
         return out
+
+    @staticmethod
+    def _reduce_sets(gran: str, per_layer: list[Optional[torch.Tensor]]) -> Optional[np.ndarray]:
+        """Per-layer ``[Hkv, n]`` means over each KV head's query heads -> the sets' statistics,
+        float64 ``[S, n]`` (``docs/granularity.md``): ``head``: every (layer, KV head) in that
+        order; ``layer``: the mean over KV heads (= over the layer's query heads);
+        ``head_shared``: the mean over layers."""
+        if any(x is None for x in per_layer):
+            return None
+        t = torch.stack(per_layer)  # [L, Hkv, n]
+        if gran == "head":
+            return t.reshape(-1, t.shape[-1]).numpy()
+        if gran == "layer":
+            return t.mean(dim=1).numpy()
+        if gran == "head_shared":
+            return t.mean(dim=0).numpy()
+        raise ValueError(f"vToken scoring: unknown granularity {gran!r}")
