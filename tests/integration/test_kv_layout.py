@@ -124,3 +124,29 @@ def test_strided_paths_equal_the_general_path(dtype, isa):
     move_tokens_cpu(a, layout, src, dst)
     move_tokens_cpu(b, slow, src, dst)
     assert torch.equal(a, b) and not torch.equal(a, kv)
+
+
+@pytest.mark.parametrize("dtype,isa", _cases())
+def test_per_head_moves_touch_only_their_head(dtype, isa):
+    """Per-head token sets (issue 23): a move of (slot, head) copies that head's K and V only; the
+    strided and element-wise paths agree; every other (slot, head) is untouched. Checked against
+    the maps alone (``_values``), not against the code under test."""
+    g = torch.Generator().manual_seed(2)
+    nb, H, bs, hd = 8, 3, 32, 64
+    layout = probe_cpu_layout(dtype, isa, bs, hd, H)
+    kv = torch.randn(nb, H, bs, 2 * hd, generator=g).to(dtype)
+    perm = torch.randperm(nb * bs, generator=g)
+    src, dst = perm[:50], perm[50:100]
+    heads = torch.randint(0, H, (50,), generator=g)
+    blocks = torch.arange(nb)
+    k0, v0 = _values(kv, layout, blocks, nb * bs)  # [slots, H, hd]
+    a, b = kv.clone(), kv.clone()
+    move_tokens_cpu(a, layout, src, dst, heads)
+    move_tokens_cpu(b, _general(layout), src, dst, heads)
+    assert torch.equal(a, b)
+    k1, v1 = _values(a, layout, blocks, nb * bs)
+    want_k, want_v = k0.clone(), v0.clone()
+    want_k[dst, heads] = k0[src, heads]
+    want_v[dst, heads] = v0[src, heads]
+    assert torch.equal(k1, want_k) and torch.equal(v1, want_v)
+    assert not torch.equal(k1, k0)

@@ -105,11 +105,12 @@ def _wrap_create_engine_config() -> None:
         setup_prometheus_bridge()
         logger.info(
             "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s "
-            "model_runner=%s scheduling=%s decide_on=%s",
+            "model_runner=%s scheduling=%s decide_on=%s granularity=%s",
             cfg.mode, cfg.policy, cfg.budget,
             f" (ratio {cfg.budget_ratio})" if cfg.budget_ratio else "",
             cfg.resolved_slack(), cfg.protections(), vcfg.cache_config.block_size,
             "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync", cfg.decide_on,
+            cfg.resolved_granularity() + ("" if cfg.granularity else " (the policy's default)"),
         )
         return vcfg
 
@@ -123,6 +124,13 @@ def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
         refusals.refuse("worker_naive", "worker")
     if worker_cls == platforms.CUDA_WORKER_CLS:
         refusals.refuse("worker_cuda", "worker")
+    tp = vcfg.parallel_config.tensor_parallel_size
+    replicated = vcfg.model_config.get_total_num_kv_heads() < tp
+    frontend.set_per_head_allowed(not replicated)
+    if replicated and cfg.resolved_granularity() in ("head", "head_shared"):
+        refusals.refuse("per_head_replicated_kv", cfg.resolved_granularity(),
+                        f"the model has {vcfg.model_config.get_total_num_kv_heads()} KV heads, "
+                        f"--tensor-parallel-size is {tp}")
 
 
 def _check_block_size(block_size) -> None:

@@ -98,6 +98,11 @@ REFUSALS: tuple[Refusal, ...] = (
             "mode naive: decide_on scheduler (the default)"),
     Refusal("worker_cuda", "vtoken.decide_on = worker on the CUDA worker", "start-up",
             "the worker-side decisions have not run on a GPU yet; allowed on CUDA: decide_on scheduler (the default)"),
+    Refusal("per_head_replicated_kv", "vtoken.granularity = head or head_shared with --tensor-parallel-size above the "
+            "model's KV heads", "start-up",
+            "each rank then holds a copy of a KV head but scores it from its own query heads only, so the copies "
+            "would keep different tokens; allowed there: granularity request or layer (a request's "
+            "vtoken_granularity is refused the same way, HTTP 400)"),
     Refusal("streaming_input", "streaming-input (resumable) requests", "request",
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),

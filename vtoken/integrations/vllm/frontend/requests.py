@@ -55,6 +55,7 @@ __all__ = ["set_engine_config", "set_max_model_len", "engine_config", "check_req
 
 _engine_cfg: Optional[VTokenConfig] = None
 _max_model_len: Optional[int] = None
+_per_head_ok = True
 
 #: The message of the beam-search refusal through the OpenAI server (its row of refusals.REFUSALS).
 BEAM_SEARCH_REFUSAL = (
@@ -77,9 +78,10 @@ STREAMING_INPUT_REFUSAL = (
 def set_engine_config(cfg: Optional[VTokenConfig]) -> None:
     """Record the engine's vToken config in this process (None: vToken off) and install the
     request-time guards (idempotent). Called by the plugin's ``create_engine_config`` wrapper."""
-    global _engine_cfg, _max_model_len
+    global _engine_cfg, _max_model_len, _per_head_ok
     _engine_cfg = cfg
     _max_model_len = None
+    _per_head_ok = True
     if cfg is not None:
         _install_middleware_hook()
         _install_streaming_input_refusal()
@@ -90,6 +92,13 @@ def set_max_model_len(max_model_len: Optional[int]) -> None:
     """Record the engine's resolved ``max_model_len`` (tokens): the upper bound of ``vtoken_budget``."""
     global _max_model_len
     _max_model_len = max_model_len
+
+
+def set_per_head_allowed(ok: bool) -> None:
+    """Record whether per-head token sets are possible (False: tensor parallelism replicates KV
+    heads; refusals ``per_head_replicated_kv``)."""
+    global _per_head_ok
+    _per_head_ok = ok
 
 
 def engine_config() -> Optional[VTokenConfig]:
@@ -110,7 +119,14 @@ def check_request(extra_args: Optional[dict]) -> None:
             f"allowed: 1..{_max_model_len} (set vllm_xargs.vtoken_enable = false to turn eviction off for this "
             "request)")
     if _engine_cfg is not None and ov.vtoken_enable:
-        ov.apply(_engine_cfg)
+        eff = ov.apply(_engine_cfg)
+        if not _per_head_ok and eff.resolved_granularity() in ("head", "head_shared"):
+            what = (f"vllm_xargs.vtoken_granularity = {ov.vtoken_granularity!r}" if ov.vtoken_granularity else
+                    f"vllm_xargs.vtoken_policy = {ov.vtoken_policy!r} (its default granularity "
+                    f"{eff.resolved_granularity()!r})")
+            raise VTokenConfigError(
+                f"{what}: per-head token sets need every tensor-parallel rank to own its KV heads, and this engine "
+                "replicates them (more ranks than KV heads); allowed here: vtoken_granularity 'request' or 'layer'")
 
 
 # ---------------------------------------------------------------------- raw JSON guard
