@@ -15,7 +15,9 @@ identical scores.
 
 Attention statistics a policy may ask for (``needs``), each ``np.ndarray`` of
 ``float64`` ``[num_live]`` indexed by slot, computed from the post-softmax attention
-probabilities averaged over all layers and all query heads:
+probabilities averaged over all layers and all query heads (with several token sets per
+request, ``docs/granularity.md``, over the layers and query heads of the set, each set
+being one such request-like row):
 
 * ``col_sum``: for the query rows of this step (the prompt chunk at prefill, one row
   at decode), the sum over rows of each key's probability (H2O's accumulated attention).

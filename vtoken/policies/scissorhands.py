@@ -65,9 +65,13 @@ class ScissorhandsPolicy(EvictionPolicy):
 
     Departures from the paper:
 
-    * One token set for the whole request, shared by all heads and layers (a vLLM
-      block holds every head of a layer): the rows are averaged over layers and
-      query heads before the ``< 1/t`` test; the paper budgets each head separately.
+    * Token sets (``granularity``, ``docs/granularity.md``): by default, under
+      ``decide_on: worker``, one set per (layer, KV head), as the paper budgets each
+      head, with the row of a KV head the mean over its query heads before the
+      ``< 1/t`` test (a mean keeps each row a distribution, so the test keeps its
+      meaning). ``layer``, ``head_shared`` and ``request`` (the only one under
+      ``decide_on: scheduler``) average over the layer's, the KV head's across layers,
+      or every query head.
     * The prompt contributes a single history row (its last query row), not one row
       per prompt query.
     * ``t`` is the number of live keys at the step (the cache size after earlier

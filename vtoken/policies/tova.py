@@ -24,7 +24,7 @@ class TOVAPolicy(EvictionPolicy):
 
     Score: ``last``, the attention row of the last query of the most recent step that
     sampled a token (``stats.last_row``: post-softmax probabilities averaged over
-    query heads and layers). Each such step overwrites it; a step without a last row
+    the query heads and layers of the token set). Each such step overwrites it; a step without a last row
     (a non-final prefill chunk) leaves it unchanged, and tokens written in that step
     score 0 until the next last row arrives.
 
@@ -35,10 +35,11 @@ class TOVAPolicy(EvictionPolicy):
 
     Departures from the paper:
 
-    * One token set for the whole request, shared by all layers (and, as in the
-      paper, all heads of a layer): the row is averaged over layers as well as
-      query heads, because vToken frees whole blocks holding every layer's KV for
-      the same tokens; the paper keeps a separate set per layer.
+    * Token sets (``granularity``, ``docs/granularity.md``): by default, under
+      ``decide_on: worker``, one set per layer, as the paper, with the row averaged
+      over the layer's query heads. ``request`` (the only one under ``decide_on:
+      scheduler``) averages over layers too; ``head`` and ``head_shared`` keep a set
+      per KV head.
     * Ties go to the smaller logical position (evicted first).
     """
 
