@@ -444,7 +444,7 @@ class WorkerStep:
     """
 
     def __init__(self, policy: str, num_requests: int, live: int, *, device: str = "cpu", seed: int = 0,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, num_sets: int = 1):
         import torch
         from vtoken.config import VTokenConfig
         from vtoken.decider import DeviceDecider
@@ -457,14 +457,15 @@ class WorkerStep:
         self.sinks, self.recent = cfg.protections()
         nb = cdiv(self.N, block_size)
         self.dec = DeviceDecider(self.policy, num_slots=num_requests * nb * block_size, block_size=block_size,
-                                 max_requests=num_requests, device=self.device)
+                                 max_requests=num_requests, device=self.device, num_sets=num_sets)
         self.row_list = list(range(num_requests))
         self.bt = np.arange(num_requests * nb, dtype=np.int64).reshape(num_requests, nb)  # WorkerDecisions' bt
         self.rows = torch.arange(num_requests, device=self.device)
         self.dec.append(self.rows, self.table(), torch.full((num_requests,), self.N, device=self.device))
         g = torch.Generator().manual_seed(seed)
         need = self.policy.needs
-        rand = lambda: torch.rand(num_requests, self.N, generator=g, dtype=torch.float64).to(self.device)  # noqa: E731
+        shape = (num_requests, num_sets, self.N) if num_sets > 1 else (num_requests, self.N)
+        rand = lambda: torch.rand(*shape, generator=g, dtype=torch.float64).to(self.device)  # noqa: E731
         self.col_sum = rand() if need & AttentionNeed.COL_SUM else None
         self.last_row = rand() if need & AttentionNeed.LAST_ROW else None
 
@@ -492,11 +493,12 @@ class WorkerStep:
 
 
 def time_worker(policy: str, num_requests: int, live: int, *, device: str = "cpu", reps: int = 10, warmup: int = 2,
-                seed: int = 0, threads: Optional[int] = 1) -> dict[str, Any]:
+                seed: int = 0, threads: Optional[int] = 1, num_sets: int = 1) -> dict[str, Any]:
     """Median/min/max ms of :meth:`WorkerStep.step` for R requests x (L + 1) live tokens, after
     ``warmup`` untimed steps (``torch.cuda.synchronize()`` around each step on CUDA).
 
-    ``threads``: torch intra-op threads (restored after; None: leave as is).
+    ``threads``: torch intra-op threads (restored after; None: leave as is). ``num_sets``: token
+    sets per request (``docs/granularity.md``; statistics ``[R, S, L + 1]``).
     """
     import torch
 
@@ -504,13 +506,14 @@ def time_worker(policy: str, num_requests: int, live: int, *, device: str = "cpu
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        w = WorkerStep(policy, num_requests, live, device=device, seed=seed)
+        w = WorkerStep(policy, num_requests, live, device=device, seed=seed, num_sets=num_sets)
         sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
         for _ in range(warmup):
             ev = w.step()
         sync()
         if warmup:
-            assert len(ev.evicted_pos) == num_requests, f"{len(ev.evicted_pos)} victims, expected {num_requests}"
+            assert len(ev.evicted_pos) == num_requests * num_sets, \
+                f"{len(ev.evicted_pos)} victims, expected {num_requests * num_sets}"
             assert w.live_counts() == [live + 1] * num_requests
         ms = []
         faults0 = _minor_faults()
@@ -523,6 +526,7 @@ def time_worker(policy: str, num_requests: int, live: int, *, device: str = "cpu
         faults = _minor_faults() - faults0
         cpu = w.device.type == "cpu"
         return dict(device=device, policy=policy, num_requests=num_requests, live=live, num_live=live + 1, k=1,
+                    num_sets=num_sets,
                     sink_tokens=w.sinks, recent_tokens=w.recent, reps=reps, median_ms=float(np.median(ms)),
                     min_ms=float(np.min(ms)), max_ms=float(np.max(ms)),
                     threads=torch.get_num_threads() if cpu else None,
