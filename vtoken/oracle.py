@@ -48,6 +48,17 @@ token; it is scored like a prefill. The policy state and the live set are kept. 
 then continues as usual; as after the first prefill, eviction resumes at decode step
 ``d + 1`` (``d + 1 + L`` for a scoring policy, once the re-prefill's statistics are in).
 
+Granularity (``cfg.resolved_granularity()``, ``docs/granularity.md``): ``"request"`` keeps
+one token set for the whole request (everything above). ``"layer"``, ``"head"`` and
+``"head_shared"`` keep ``S`` sets (``L``, ``L * Hkv``, ``Hkv``; (layer ``l``, KV head ``g``)
+belongs to set ``l``, ``l * Hkv + g``, ``g``), each with its own policy state and its own
+ascending live logical positions, which are the slot order of the (layer, KV head) pairs it
+covers. Statistics are per set (:func:`attention_stats_sets`); at a step with ``k > 0`` every
+set selects ``k`` victims with the same protections, every layer's K/V is compacted per KV
+head with the keep indices of the set covering it (a gather along the sequence axis), and
+each set's state is compacted. All sets keep the same count, so the cache length stays one
+number. ``score_lag != 0`` and ``preempt_at`` are request-granular only.
+
 This module never imports vllm.
 """
 
@@ -66,7 +77,11 @@ from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_st
 if TYPE_CHECKING:  # pragma: no cover
     from vtoken.policies.base import SlotState
 
-__all__ = ["OracleResult", "oracle_generate", "load_oracle_model", "attention_stats"]
+__all__ = ["OracleResult", "oracle_generate", "load_oracle_model", "attention_stats", "attention_stats_sets",
+           "GRANULARITIES", "set_index_map"]
+
+#: the token-set granularities, ``docs/granularity.md``
+GRANULARITIES = ("request", "layer", "head", "head_shared")
 
 
 @dataclass
@@ -93,6 +108,14 @@ class OracleResult:
         stop_reason: ``"length"`` or ``"eos"``.
         logits: with ``return_logits=True``, float32 ``[vocab]`` CPU tensors, the
             next-token logits of each step (what was argmax-ed); else None.
+        live_positions_sets: granularity other than ``"request"``: one int64
+            ``[num_live[-1]]`` array per token set (set index as in ``docs/granularity.md``),
+            each set's live logical positions after the last step, ascending (set 0's is
+            ``live_positions``); None under ``"request"`` granularity or without eviction.
+        evicted_positions_sets: granularity other than ``"request"``: per step, a list of
+            ``S`` int64 arrays, the logical positions each set evicted before that step
+            (ascending, all of the same length; ``evicted_positions`` is set 0's); None
+            under ``"request"`` granularity or without eviction.
     """
 
     token_ids: list[int]
@@ -105,6 +128,8 @@ class OracleResult:
     slack: Optional[int] = None
     stop_reason: str = "length"
     logits: Optional[list[torch.Tensor]] = None
+    live_positions_sets: Optional[list[np.ndarray]] = None
+    evicted_positions_sets: Optional[list[list[np.ndarray]]] = None
 
     @property
     def num_evicted(self) -> int:
@@ -165,6 +190,84 @@ def attention_stats(attentions: Sequence[torch.Tensor], need: AttentionNeed) -> 
     return AttentionStats(col_sum=col_sum, last_row=last_row)
 
 
+def set_index_map(granularity: str, num_layers: int, num_kv_heads: int) -> np.ndarray:
+    """Set index of each (layer, KV head), int64 ``[num_layers, num_kv_heads]`` (``docs/granularity.md``):
+    request 0, layer ``l``, head ``l * num_kv_heads + g``, head_shared ``g``.
+
+    Raises:
+        ValueError: an unknown granularity, or ``num_layers`` / ``num_kv_heads`` < 1.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity = {granularity!r}; allowed: {list(GRANULARITIES)}")
+    if num_layers < 1 or num_kv_heads < 1:
+        raise ValueError(f"set_index_map: num_layers = {num_layers}, num_kv_heads = {num_kv_heads}; allowed: >= 1")
+    lg, g = np.indices((num_layers, num_kv_heads), dtype=np.int64)
+    return {"request": 0 * lg, "layer": lg, "head": lg * num_kv_heads + g, "head_shared": g}[granularity]
+
+
+def attention_stats_sets(attentions: Sequence[torch.Tensor], need: AttentionNeed, granularity: str,
+                         num_kv_heads: int) -> list[AttentionStats]:
+    """Per-set :class:`AttentionStats` of one step (``docs/granularity.md``, "Statistics per set").
+
+    Args:
+        attentions: per layer ``l`` (``L`` layers), post-softmax probabilities ``[1, Hq, q, k]``
+            (any float dtype); key ``j`` of the query heads of KV head ``g`` is slot ``j`` of the
+            set covering (``l``, ``g``).
+        need: which statistics to compute.
+        granularity: ``"request"``, ``"layer"``, ``"head"`` or ``"head_shared"``.
+        num_kv_heads: ``Hkv``; query head ``h`` belongs to KV head ``h // (Hq // Hkv)``.
+
+    Returns:
+        One :class:`AttentionStats` per set, in set order (``S`` = 1, ``L``, ``L * Hkv``,
+        ``Hkv``). A set's ``col_sum`` / ``last_row`` are float64 numpy ``[k]`` (None where not
+        needed): the mean of the probabilities over the (layer, query head) pairs the set
+        covers (summed in float64, divided by their number), then summed over the ``q`` rows
+        (``col_sum``) or taken at the last row (``last_row``). ``"request"`` returns
+        ``[attention_stats(attentions, need)]``.
+
+    Raises:
+        ValueError: an unknown granularity; ``num_kv_heads < 1``; no layers (any granularity
+            but ``"request"``); when statistics are needed: missing probabilities, batch != 1,
+            layers that disagree on the shape, or ``Hq`` not a multiple of ``num_kv_heads``.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"attention_stats_sets: granularity = {granularity!r}; allowed: {list(GRANULARITIES)}")
+    if granularity == "request":
+        return [attention_stats(attentions, need)]
+    if len(attentions) == 0:
+        raise ValueError("attention_stats_sets: no layers (the number of sets depends on them)")
+    set_of = set_index_map(granularity, len(attentions), num_kv_heads)
+    S = int(set_of.max()) + 1
+    if not (need & (AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW)):
+        return [AttentionStats() for _ in range(S)]
+    if attentions[0] is None:
+        raise ValueError("attention_stats_sets: no attention probabilities (is the model using eager attention?)")
+    shape = tuple(attentions[0].shape)
+    if len(shape) != 4 or shape[0] != 1:
+        raise ValueError(f"attention_stats_sets: expected [1, Hq, q, k] per layer, got {shape}")
+    Hq = shape[1]
+    if Hq % num_kv_heads:
+        raise ValueError(f"attention_stats_sets: {Hq} query heads is not a multiple of num_kv_heads = {num_kv_heads}")
+    G = Hq // num_kv_heads
+    acc: list[Optional[torch.Tensor]] = [None] * S
+    pairs = [0] * S
+    for l, a in enumerate(attentions):
+        if tuple(a.shape) != shape:
+            raise ValueError(f"attention_stats_sets: layer shapes differ: {tuple(a.shape)} vs {shape}")
+        for g in range(num_kv_heads):
+            s = int(set_of[l, g])
+            part = a[0, g * G:(g + 1) * G].to(torch.float64).sum(dim=0)  # [q, k]
+            acc[s] = part if acc[s] is None else acc[s] + part
+            pairs[s] += G
+    out = []
+    for s in range(S):
+        mean = acc[s] / float(pairs[s])
+        col_sum = mean.sum(dim=0).cpu().numpy() if need & AttentionNeed.COL_SUM else None
+        last_row = mean[-1].cpu().numpy().copy() if need & AttentionNeed.LAST_ROW else None
+        out.append(AttentionStats(col_sum=col_sum, last_row=last_row))
+    return out
+
+
 def _check_model(model) -> None:
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != "eager":
@@ -179,6 +282,19 @@ def _evict(cache, keep: torch.Tensor) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys.index_select(-2, keep)
         layer.values = layer.values.index_select(-2, keep)
+
+
+def _evict_sets(cache, keeps: list[torch.Tensor], set_of: np.ndarray) -> None:
+    """Per KV head: keep slots ``keeps[set_of[l, g]]`` (int64 ascending, equal lengths, on the
+    cache's device) of (layer ``l``, KV head ``g``); a gather along the sequence axis."""
+    for l, layer in enumerate(cache.layers):
+        idx = torch.stack([keeps[int(s)] for s in set_of[l]])  # [Hkv, n_keep]
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [1, Hkv, T, hd]
+            if t.shape[1] != idx.shape[0]:
+                raise RuntimeError(f"oracle_generate: layer {l} {name} have {t.shape[1]} KV heads, "
+                                   f"the model config {idx.shape[0]}")
+            setattr(layer, name, torch.gather(t, 2, idx[None, :, :, None].expand(t.shape[0], -1, -1, t.shape[3])))
 
 
 def _cache_len(cache) -> int:
@@ -214,7 +330,9 @@ def oracle_generate(
         cfg: eviction settings; ``None`` turns eviction off (plain greedy, dense cache).
             The budget is ``effective_budget(cfg, prompt_len)``, the slack
             ``cfg.resolved_slack()``; the policy is built once per request with
-            ``cfg.make_policy(budget)``.
+            ``cfg.make_policy(budget)``; the token sets follow
+            ``cfg.resolved_granularity()`` (module docstring), each with its own
+            ``policy.init_state()``.
         eos_token_id: EOS id(s); only used when ``ignore_eos`` is False.
         ignore_eos: keep generating after EOS (the default, like vLLM's ``ignore_eos``).
         return_logits: also return each step's float32 next-token logits.
@@ -233,15 +351,18 @@ def oracle_generate(
         preempt_at: decode steps (``d >= 1``) at which the request is preempted after its
             eviction decision and resumes by re-prefilling its live tokens (module
             docstring); the engine records them (``RequestState.preempt_log``).
+            Request granularity only (as ``score_lag != 0``).
 
     Returns:
         :class:`OracleResult`.
 
     Raises:
         ValueError: empty prompt, ``max_new_tokens < 1``, a non-eager model, a
-            sliding-window cache layer, ``policy`` without ``cfg``, ``score_lag < 0`` or
-            ``protected_prefix < 0``.
-        RuntimeError: the policy returned invalid victims (out of range, duplicates).
+            sliding-window cache layer, ``policy`` without ``cfg``, ``score_lag < 0``,
+            ``protected_prefix < 0``, or ``score_lag != 0`` / ``preempt_at`` with a
+            granularity other than ``"request"``.
+        RuntimeError: the policy returned invalid victims (out of range, duplicates), or
+            the token sets evicted different counts.
     """
     _check_model(model)
     prompt = [int(t) for t in prompt_ids]
@@ -266,18 +387,29 @@ def oracle_generate(
 
     from transformers import DynamicCache
 
+    ScoreLagQueue(score_lag)  # ValueError for score_lag < 0, before the granularity checks
     budget = slack = None
-    state: Optional["SlotState"] = None
+    policy_on = cfg is not None
+    granularity = "request"
     need = AttentionNeed.NONE
     score_every = 1
-    lagq = ScoreLagQueue(score_lag)
     first_evict = 1
     if cfg is not None:
+        granularity = cfg.resolved_granularity()
+        if granularity != "request":
+            if score_lag != 0:
+                raise ValueError(
+                    f"oracle_generate: score_lag = {score_lag} with granularity {granularity!r}; score_lag and "
+                    "preempt_at are request-granular only (allowed: score_lag 0, or granularity 'request')")
+            if preempt_set:
+                raise ValueError(
+                    f"oracle_generate: preempt_at = {sorted(preempt_set)} with granularity {granularity!r}; "
+                    "score_lag and preempt_at are request-granular only (allowed: no preempt_at, or "
+                    "granularity 'request')")
         budget = effective_budget(cfg, P)
         slack = cfg.resolved_slack()
         if policy is None:
             policy = cfg.make_policy(budget)
-        state = policy.init_state()
         need = policy.needs
         score_every = cfg.score_every
         first_evict = first_evicting_decode_step(need, score_lag)
@@ -286,16 +418,34 @@ def oracle_generate(
     cache = DynamicCache(config=model.config)
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
         raise ValueError("oracle_generate: sliding-window attention layers are not supported")
+    per_set = granularity != "request"
+    if per_set:
+        num_layers = int(model.config.num_hidden_layers)
+        num_kv_heads = int(model.config.num_key_value_heads)
+        if len(cache.layers) != num_layers:  # pragma: no cover - a transformers change
+            raise RuntimeError(f"oracle_generate: the cache has {len(cache.layers)} layers, the config {num_layers}")
+    else:
+        num_layers, num_kv_heads = max(len(cache.layers), 1), 1
+    set_of = set_index_map(granularity, num_layers, num_kv_heads)  # [L, Hkv] -> token set
+    S = int(set_of.max()) + 1
+    # per token set: the policy state, the queue of statistics, slot -> logical position
+    states: list["SlotState"] = [policy.init_state() for _ in range(S)] if policy_on else []
+    lagqs = [ScoreLagQueue(score_lag) for _ in range(S)]
 
-    logical_pos = np.arange(P, dtype=np.int64)  # cache slot -> logical position
+    pos = [np.arange(P, dtype=np.int64) for _ in range(S)]  # per set: cache slot -> logical position
     num_logical = P
     out_tokens: list[int] = []
     res_live: list[int] = []
     res_logical: list[int] = []
     res_evicted: list[np.ndarray] = []
+    res_evicted_sets: Optional[list[list[np.ndarray]]] = [] if per_set else None
     res_logits: Optional[list[torch.Tensor]] = [] if return_logits else None
     stop_reason = "length"
     empty = np.zeros(0, dtype=np.int64)
+
+    def view_of(s: int) -> TokenView:
+        return TokenView(logical_pos=pos[s].copy(), num_logical=num_logical, prompt_len=P,
+                         protected_prefix=protected_prefix)
 
     def forward(ids: list[int], positions: np.ndarray, scored: bool, step: int) -> torch.Tensor:
         n_before = _cache_len(cache) if cache.get_seq_length() > 0 else 0
@@ -312,98 +462,114 @@ def oracle_generate(
         )
         if _cache_len(cache) != n_before + q:  # pragma: no cover - a transformers change
             raise RuntimeError("oracle_generate: the cache did not grow by the step's tokens")
-        if state is not None and want_attn:
-            lagq.expect(step, logical_pos, sampled=True)
-            lagq.deliver(step, attention_stats(out.attentions, need))
+        if states and want_attn:
+            stats = attention_stats_sets(out.attentions, need, granularity, num_kv_heads)
+            for s in range(S):
+                lagqs[s].expect(step, pos[s], sampled=True)
+                lagqs[s].deliver(step, stats[s])
             if score_lag == 0:  # sync: fold in now (same state as just before the next decision)
                 fold_lagged(step + 1)
-        elif state is not None and need == AttentionNeed.NONE:
-            view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P,
-                             protected_prefix=protected_prefix)
-            policy.observe(state, len(logical_pos), AttentionStats(), view)
+        elif states and need == AttentionNeed.NONE:
+            for s in range(S):
+                policy.observe(states[s], len(pos[s]), AttentionStats(), view_of(s))
         return out.logits[0, -1]
 
     def fold_lagged(step: int) -> None:
-        for e in lagq.ready(step):
-            view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P,
-                             protected_prefix=protected_prefix)
-            stats = remap_stats(e.stats, e.logical_pos, logical_pos, num_logical)
-            policy.observe(state, len(logical_pos), stats, view)
+        for s in range(S):
+            for e in lagqs[s].ready(step):
+                stats = remap_stats(e.stats, e.logical_pos, pos[s], num_logical)
+                policy.observe(states[s], len(pos[s]), stats, view_of(s))
+
+    def select(s: int, k: int) -> np.ndarray:
+        n = len(pos[s])
+        victims = np.asarray(policy.select_victims(states[s], view_of(s), k), dtype=np.int64)
+        if victims.ndim != 1 or len(victims) > k or len(np.unique(victims)) != len(victims) or (
+            len(victims) and (victims.min() < 0 or victims.max() >= n)
+        ):
+            raise RuntimeError(
+                f"oracle_generate: policy {policy.name!r} returned invalid victims {victims!r} "
+                f"for k={k}, num_live={n}" + (f" (token set {s})" if per_set else "")
+                + f"; allowed: up to k distinct slots in [0, {n})"
+            )
+        return victims
 
     def sample(logits: torch.Tensor) -> int:
         if res_logits is not None:
             res_logits.append(logits.detach().to(torch.float32).cpu().clone())
         return int(torch.argmax(logits).item())
 
+    def record(tok: int, evicted: list[np.ndarray]) -> None:
+        out_tokens.append(tok)
+        res_live.append(len(pos[0]))
+        res_logical.append(num_logical)
+        res_evicted.append(evicted[0])
+        if res_evicted_sets is not None:
+            res_evicted_sets.append(evicted)
+
     with torch.inference_mode():
         # ---- prefill: the whole prompt, no eviction ----
-        if state is not None:
-            state.reset_slots(0, P)
-        tok = sample(forward(prompt, logical_pos.copy(), scored=True, step=0))
-        out_tokens.append(tok)
-        res_live.append(len(logical_pos))
-        res_logical.append(num_logical)
-        res_evicted.append(empty)
+        for st in states:
+            st.reset_slots(0, P)
+        tok = sample(forward(prompt, pos[0].copy(), scored=True, step=0))
+        record(tok, [empty] * S)
 
         for d in range(1, max_new_tokens):
             if not ignore_eos and tok in eos_set:
                 stop_reason = "eos"
                 break
-            evicted = empty
-            n = len(logical_pos)
-            if state is not None:
+            evicted = [empty] * S
+            n = len(pos[0])
+            if states:
                 fold_lagged(d)
                 if evict_schedule is not None:
                     k = min(int(evict_schedule.get(d, 0)), n)
                 else:
                     k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
-                    view = TokenView(logical_pos=logical_pos.copy(), num_logical=num_logical, prompt_len=P,
-                                     protected_prefix=protected_prefix)
-                    victims = np.asarray(policy.select_victims(state, view, k), dtype=np.int64)
-                    if victims.ndim != 1 or len(victims) > k or len(np.unique(victims)) != len(victims) or (
-                        len(victims) and (victims.min() < 0 or victims.max() >= n)
-                    ):
+                    victims = [select(s, k) for s in range(S)]
+                    counts = sorted({len(v) for v in victims})
+                    if len(counts) != 1:
                         raise RuntimeError(
-                            f"oracle_generate: policy {policy.name!r} returned invalid victims {victims!r} "
-                            f"for k={k}, num_live={n}; allowed: up to k distinct slots in [0, {n})"
-                        )
-                    if len(victims):
-                        mask = np.ones(n, dtype=bool)
-                        mask[victims] = False
-                        keep = np.flatnonzero(mask).astype(np.int64)
-                        evicted = np.sort(logical_pos[victims])
-                        _evict(cache, torch.from_numpy(keep).to(device))
-                        state.compact(keep)
-                        logical_pos = logical_pos[keep]
-                n = len(logical_pos)
-                state.reset_slots(n, n + 1)
+                            f"oracle_generate: the token sets evict different counts {[len(v) for v in victims]} "
+                            f"for k={k} (granularity {granularity!r}); every set must evict the same number")
+                    if counts[0]:
+                        keeps = []
+                        for s in range(S):
+                            mask = np.ones(n, dtype=bool)
+                            mask[victims[s]] = False
+                            keeps.append(np.flatnonzero(mask).astype(np.int64))
+                            evicted[s] = np.sort(pos[s][victims[s]])
+                        if per_set:
+                            _evict_sets(cache, [torch.from_numpy(kp).to(device) for kp in keeps], set_of)
+                        else:
+                            _evict(cache, torch.from_numpy(keeps[0]).to(device))
+                        for s in range(S):
+                            states[s].compact(keeps[s])
+                            pos[s] = pos[s][keeps[s]]
+                n = len(pos[0])
+                for st in states:
+                    st.reset_slots(n, n + 1)
             new_pos = np.array([num_logical], dtype=np.int64)
-            if d in preempt_set:
+            if d in preempt_set:  # request granularity only (checked above): S == 1
                 # preempted: the cache and pending statistics are gone; re-prefill the live
                 # tokens (logical order, logical positions) and the new token
                 cache = DynamicCache(config=model.config)
-                lagq.clear()
-                if state is not None:
+                lagqs[0].clear()
+                if states:
                     first_evict = d + first_evicting_decode_step(need, score_lag)
-                ids = [prompt[p] if p < P else out_tokens[p - P] for p in logical_pos.tolist()] + [tok]
-                positions = np.concatenate([logical_pos, new_pos])
-                logical_pos = positions.copy()
+                ids = [prompt[p] if p < P else out_tokens[p - P] for p in pos[0].tolist()] + [tok]
+                positions = np.concatenate([pos[0], new_pos])
+                pos[0] = positions.copy()
                 num_logical += 1
                 tok = sample(forward(ids, positions, scored=True, step=d))
-                out_tokens.append(tok)
-                res_live.append(len(logical_pos))
-                res_logical.append(num_logical)
-                res_evicted.append(evicted)
+                record(tok, evicted)
                 continue
-            logical_pos = np.concatenate([logical_pos, new_pos])
+            for s in range(S):
+                pos[s] = np.concatenate([pos[s], new_pos])
             num_logical += 1
             scored = d % score_every == 0
             tok = sample(forward([tok], new_pos, scored=scored, step=d))
-            out_tokens.append(tok)
-            res_live.append(len(logical_pos))
-            res_logical.append(num_logical)
-            res_evicted.append(evicted)
+            record(tok, evicted)
         else:
             if not ignore_eos and tok in eos_set:
                 stop_reason = "eos"
@@ -413,10 +579,12 @@ def oracle_generate(
         num_live=res_live,
         num_logical=res_logical,
         evicted_positions=res_evicted,
-        live_positions=logical_pos.copy(),
+        live_positions=pos[0].copy(),
         prompt_len=P,
         budget=budget,
         slack=slack,
         stop_reason=stop_reason,
         logits=res_logits,
+        live_positions_sets=[p.copy() for p in pos] if per_set else None,
+        evicted_positions_sets=res_evicted_sets,
     )
