@@ -25,6 +25,9 @@ Usage::
     python benchmarks/bench_quality.py --full    # not run yet; est. 30-60 min
     python benchmarks/bench_quality.py --scale   # = make bench-quality: 40 conversations, oracle only,
                                                  # policy x budget x pacing (fixed / pressure)
+    python benchmarks/bench_quality.py --granularity  # = make bench-quality-granularity: the same 40
+                                                 # conversations, H2O / TOVA / Scissorhands x budget x pacing
+                                                 # x token sets (request / layer / head, docs/granularity.md)
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ def plan(size: str) -> dict:
         # replayed from the pool model below (POOL).
         return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=ALL_POLICIES, budgets=[128, 512],
                                 pacings=["fixed", "pressure"], pool=POOL))
+    if size == "granularity":
+        # Issue 23 item 8: the granularity axis (Random and StreamingLLM keep the same set at every
+        # granularity: their scores do not depend on attention, so they are left out)
+        return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["h2o", "tova", "scissorhands"],
+                                budgets=[128, 512], pacings=["fixed", "pressure"], pool=POOL,
+                                granularities=["request", "layer", "head"]))
     return dict(oracle=dict(n_conv=3, prompt_len=1024, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]),
                 engine=dict(n_conv=3, prompt_len=1536, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]))
 
@@ -215,7 +224,9 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
     convs = load_long_conversations(p["n_conv"], p["prompt_len"] + p["K"], seed=SEED + 1)
     rows = []
     pacings = p.get("pacings", ["fixed"])
-    configs = [None] + [(pol, b, pc) for pol in p["policies"] for b in p["budgets"] for pc in pacings]
+    grans = p.get("granularities", [None])
+    configs = [None] + [(pol, b, pc, g) for pol in p["policies"] for b in p["budgets"] for pc in pacings
+                        for g in grans]
     schedules, pool_stats = {}, {}
     if "pressure" in pacings:
         for b in p["budgets"]:
@@ -226,8 +237,10 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
         full_argmax = None
         for conf in configs:
             bar.set_postfix_str(f"oracle c{ci} {conf}")
-            pol, b, pc = conf if conf else ("full", None, None)
-            cfg = None if conf is None else VTokenConfig(policy=pol, budget=b, pacing=pc)
+            pol, b, pc, g = conf if conf else ("full", None, None, None)
+            # a granularity other than request is a worker-side (decide_on: worker) setting
+            cfg = None if conf is None else VTokenConfig(policy=pol, budget=b, pacing=pc, **(
+                {} if g is None else dict(decide_on="worker", granularity=g)))
             sched = schedules[b][ci] if pc == "pressure" else None
             t0 = time.perf_counter()
             res = oracle_generate(TeacherForced(model, target[:-1]), prompt, p["K"], cfg, return_logits=True,
@@ -237,7 +250,8 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
             am = [int(torch.argmax(lg)) for lg in res.logits]
             if conf is None:
                 full_argmax = am
-            rows.append(dict(conv=ci, conv_id=c["id"], policy=pol, budget=b, pacing=pc, nll=mean(nll),
+            rows.append(dict(conv=ci, conv_id=c["id"], policy=pol, budget=b, pacing=pc, **(
+                             {} if g is None else dict(granularity=g)), nll=mean(nll),
                              nll_per_pos=nll, top1_acc=mean(a == t for a, t in zip(am, target)),
                              agree_full=mean(a == f for a, f in zip(am, full_argmax)),
                              evicted=res.num_evicted, final_live=res.num_live[-1], wall_s=time.perf_counter() - t0))
@@ -247,10 +261,12 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
     summary = []
     full = {r["conv"]: r for r in rows if r["policy"] == "full"}
     for conf in configs:
-        pol, b, pc = conf if conf else ("full", None, None)
-        rs = [r for r in rows if r["policy"] == pol and r["budget"] == b and r["pacing"] == pc]
+        pol, b, pc, g = conf if conf else ("full", None, None, None)
+        rs = [r for r in rows if r["policy"] == pol and r["budget"] == b and r["pacing"] == pc
+              and r.get("granularity") == g]
         nll = mean(r["nll"] for r in rs)
-        summary.append(dict(policy=pol, budget=b, pacing=pc, n=len(rs), nll=nll, ppl=math.exp(nll),
+        summary.append(dict(policy=pol, budget=b, pacing=pc, **({} if g is None else dict(granularity=g)),
+                            n=len(rs), nll=nll, ppl=math.exp(nll),
                             delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
                             top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs),
                             mean_final_live=mean(r["final_live"] for r in rs)))
@@ -402,18 +418,55 @@ def plot_scale(res: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def plot_granularity(res: dict, path: Path) -> None:
+    """ΔNLL over the full cache (left) and next-token agreement (right) per (policy, budget,
+    pacing), one bar per granularity (request / layer / head), so the three sit side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = [s for s in res["oracle"]["summary"] if s["policy"] != "full"]
+    grans = list(dict.fromkeys(s["granularity"] for s in summ))
+    groups = list(dict.fromkeys((s["policy"], s["budget"], s["pacing"]) for s in summ))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    w = 0.8 / len(grans)
+    for ax, key, label in ((axes[0], "delta_nll", "ΔNLL vs full cache (nats/token)"),
+                           (axes[1], "agree_full", "next-token agreement with the full cache")):
+        for i, g in enumerate(grans):
+            vals = [next(s[key] for s in summ if (s["policy"], s["budget"], s["pacing"]) == grp and s["granularity"] == g)
+                    for grp in groups]
+            ax.bar([x + (i - (len(grans) - 1) / 2) * w for x in range(len(groups))], vals, w, label=g)
+        ax.set_xticks(range(len(groups)), [f"{p}\n{b}, {pc}" for p, b, pc in groups], fontsize=7)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[1].set_ylim(0, 1.05)
+    axes[0].legend(title="token sets")
+    c = res["oracle"]["config"]
+    fig.suptitle(f"granularity: {c['n_conv']} conversations, prompt {c['prompt_len']}, next {c['K']} real tokens "
+                 "teacher-forced (fp32 oracle)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
-    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale",))
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity"))
     if args.replot:
         res = json.loads(args.replot.read_text())
-        (plot_scale if "engine" not in res else plot)(res, args.replot.with_suffix(".png"))
+        if "granularities" in res["oracle"]["config"]:
+            plot_granularity(res, args.replot.with_suffix(".png"))
+        else:
+            (plot_scale if "engine" not in res else plot)(res, args.replot.with_suffix(".png"))
         return 0
     from tqdm import tqdm
 
     p = plan(args.size)
     t_start = time.perf_counter()
     o = p["oracle"]
-    runs = o["n_conv"] * (1 + len(o["policies"]) * len(o["budgets"]) * len(o.get("pacings", ["fixed"])))
+    runs = o["n_conv"] * (1 + len(o["policies"]) * len(o["budgets"]) * len(o.get("pacings", ["fixed"]))
+                          * len(o.get("granularities", [None])))
     bar = tqdm(total=runs + ("engine" in p), desc="runs", unit="run")
     eng = engine_part(p["engine"], bar) if "engine" in p else None
     orc = oracle_part(o, bar, partial=out_path.with_suffix(".partial.json"))
@@ -427,12 +480,15 @@ def main(argv=None) -> int:
         res["engine"] = eng
     write_json(out_path, res)
     out_path.with_suffix(".partial.json").unlink(missing_ok=True)
-    (plot if eng is not None else plot_scale)(res, out_path.with_suffix(".png"))
-    print(f"{'policy':13} {'budget':>6} {'pacing':>8} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
+    if "granularities" in o:
+        plot_granularity(res, out_path.with_suffix(".png"))
+    else:
+        (plot if eng is not None else plot_scale)(res, out_path.with_suffix(".png"))
+    print(f"{'policy':13} {'budget':>6} {'pacing':>8} {'gran':>8} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
     for s in orc["summary"]:
         e = next((x for x in (eng or {}).get("summary", []) if x["policy"] == s["policy"] and x["budget"] == s["budget"]), None)
         es = f"{e['prefix_agreement']:13.2f} {e['positional_agreement']:10.2f}" if e else ""
-        print(f"{s['policy']:13} {str(s['budget']):>6} {str(s['pacing']):>8} {s['nll']:6.3f} {s['delta_nll']:+6.3f} "
+        print(f"{s['policy']:13} {str(s['budget']):>6} {str(s['pacing']):>8} {str(s.get('granularity')):>8} {s['nll']:6.3f} {s['delta_nll']:+6.3f} "
               f"{s['agree_full']:6.2f} {s['top1_acc']:6.2f} | {es}")
     print(f"total {res['meta']['total_wall_s']:.0f} s")
     return 0
