@@ -97,13 +97,15 @@ patches-check: install
 # .cache/rebase-venv-x.y.z/.installed exists) into a side venv, compares every patches/ entry's upstream
 # source with it and writes patches/rebase-x.y.z.md, merging the hand-written verdicts of
 # patches/rebase-verdicts-x.y.z.toml; prints how many changed symbols still need review (exit 1 if any).
+# The comparison is saved to .cache/rebase-venv-x.y.z/rebase.json: after editing the verdicts,
+# `.venv/bin/python -m vtoken.patches report --from-json .cache/rebase-venv-x.y.z/rebase.json` re-renders in a second.
 VLLM ?=
 REBASE_VENV := .cache/rebase-venv-$(VLLM)
 rebase-check: install
 	@test -n "$(VLLM)" || { echo "usage: make rebase-check VLLM=x.y.z"; exit 2; }
 	@set -e; \
 	  if [ -f $(REBASE_VENV)/.installed ]; then \
-	    echo "== [1/3] re-using $(REBASE_VENV)/ (vLLM $$(cat $(REBASE_VENV)/.installed); rm -r $(REBASE_VENV) to reinstall)"; \
+	    echo "== [1-2/3] re-using $(REBASE_VENV)/ (vLLM $$(cat $(REBASE_VENV)/.installed); rm -r $(REBASE_VENV) to reinstall)"; \
 	  else \
 	    echo "== [1/3] installing vllm==$(VLLM) into $(REBASE_VENV)/ (CUDA torch included: ~9 GB, ~12 min)"; \
 	    $(PY) -m venv $(REBASE_VENV); \
@@ -116,7 +118,7 @@ rebase-check: install
 	  fi; \
 	  echo "== [3/3] comparing the patches/ entries with vLLM $(VLLM); report -> patches/rebase-$(VLLM).md"; \
 	  $(VPY) -m vtoken.patches report --python $(REBASE_VENV)/bin/python \
-	    --verdicts patches/rebase-verdicts-$(VLLM).toml --out patches/rebase-$(VLLM).md
+	    --verdicts patches/rebase-verdicts-$(VLLM).toml --out patches/rebase-$(VLLM).md --save-json $(REBASE_VENV)/rebase.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

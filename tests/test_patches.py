@@ -6,6 +6,7 @@ starts one interpreter (the rebase command's subprocess).
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import textwrap
@@ -198,3 +199,91 @@ def test_update_rewrites_fingerprints_and_index(entries_copy, tmp_path):
 
 def test_readme_index_is_up_to_date():
     assert chk.index_is_current(), "patches/README.md is stale: run `python -m vtoken.patches index`"
+
+
+# --- the rebase report (make rebase-check): generator on a fake comparison, committed 0.33.0 report ---
+
+from vtoken.patches import report as rpt  # noqa: E402
+
+_OLD_FN = 'def f(self, x: int) -> int:\n    """Old doc."""\n    return x + 1\n'
+_DOC_ONLY = 'def f(self, x: "int | None") -> int:\n    """New doc,\n    two lines."""\n    # a comment\n    return (x +\n            1)\n'
+_CODE_CHANGE = 'def f(self, x: int) -> int:\n    """Old doc."""\n    return x + 2\n'
+
+
+def _fake_result() -> "rpt.RebaseResult":
+    mk = lambda sym, new, status="changed": rpt.SymbolResult(  # noqa: E731
+        f"vllm.fake.{sym}", status, kind="subclass-internal", used_by=[f"vtoken.integrations.vllm.x.{sym}"],
+        change="c", old=_OLD_FN, new=new)
+    return rpt.RebaseResult("0.32.0", "9.9.9", [mk("Doc", _DOC_ONLY), mk("Judged", _CODE_CHANGE),
+                                                mk("Unjudged", _CODE_CHANGE), mk("Same", _OLD_FN, "unchanged")])
+
+
+def test_rebase_report_verdict_lines(tmp_path):
+    verdicts = tmp_path / "rebase-verdicts-9.9.9.toml"
+    verdicts.write_text(textwrap.dedent('''
+        ["vllm.fake.Judged"]
+        verdict = "behaviour"
+        what = "f returns x + 2."
+        where = ["vtoken/x.py: Judged.f"]
+    '''))
+    out = tmp_path / "rebase-9.9.9.md"
+    given = rpt.write_report(_fake_result(), verdicts, out)
+    text = out.read_text()
+    lines = text.splitlines()
+    assert rpt.parse_summary(text) == {"unchanged": 1, "changed": 3, "gone": 0}
+    assert [v.verdict for v in given.values()] == ["cosmetic", "behaviour", rpt.NEEDS_REVIEW]
+
+    def verdict_after(sym):
+        i = lines.index(f"### `vllm.fake.{sym}`")
+        return next(ln for ln in lines[i:] if ln.startswith("- **verdict"))
+
+    assert verdict_after("Doc") == ("- **verdict: cosmetic** (automatic: same AST without docstrings, comments and "
+                                    "annotations)")
+    assert verdict_after("Judged") == ("- **verdict: behaviour change vToken must follow** (reviewed): f returns "
+                                       "x + 2. Where in vToken: vtoken/x.py: Judged.f.")
+    assert verdict_after("Unjudged") == ("- **verdict: needs review** (no entry in the verdicts file; read the diff "
+                                         "and add one)")
+    assert "- kind: subclass-internal; used by: `x.Judged`" in lines
+    assert "- diff: +1 -1 lines" in lines and lines.count("+    return x + 2") == 1  # one excerpt per diff
+    assert "- same upstream source and diff as `vllm.fake.Judged` (shown there)" in lines
+    assert "### `vllm.fake.Same`" not in text
+
+
+def test_rebase_report_cli_exit_status_and_bad_verdicts(tmp_path, capsys):
+    saved = tmp_path / "cmp.json"
+    saved.write_text(__import__("json").dumps(_fake_result().to_json()))
+    out = tmp_path / "r.md"
+    assert main(["report", "--from-json", str(saved), "--verdicts", str(tmp_path / "none.toml"),
+                 "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "2 changed symbol(s) need review" in printed and "needs review: vllm.fake.Judged" in printed
+    bad = tmp_path / "bad.toml"
+    bad.write_text('["vllm.fake.Judged"]\nverdict = "behaviour"\nwhat = "no where"\n')
+    assert main(["report", "--from-json", str(saved), "--verdicts", str(bad), "--out", str(out)]) == 2
+    assert "needs field(s) ['where']" in capsys.readouterr().err
+
+
+def test_cosmetic_needs_the_ast_to_prove_it():
+    assert rpt.is_cosmetic(_OLD_FN, _DOC_ONLY) and not rpt.is_cosmetic(_OLD_FN, _CODE_CHANGE)
+    # a class field's annotation is validated at run time on pydantic config classes: not cosmetic
+    assert not rpt.is_cosmetic("class A:\n    x: int = 0\n", "class A:\n    x: str = 0\n")
+    assert rpt.is_cosmetic("class A:\n    x: int = 0\n", 'class A:\n    x: int = 0\n    """Field doc."""\n')
+    assert rpt.is_cosmetic('"K": lambda: 1', '"K": (lambda: 1)  # registry item') and not rpt.is_cosmetic("", "x = 1")
+
+
+REBASE_VERSION = "0.33.0"
+
+
+def test_committed_rebase_report_is_fully_reviewed():
+    root = DEFAULT_ENTRIES.parent
+    text = (root / f"rebase-{REBASE_VERSION}.md").read_text()
+    verdicts = rpt.load_verdicts(root / f"rebase-verdicts-{REBASE_VERSION}.toml")
+    assert rpt.NEEDS_REVIEW not in text.replace(f"0 {rpt.NEEDS_REVIEW}.", "")
+    assert "## Stale verdicts" not in text
+    n = rpt.parse_summary(text)
+    changed = re.findall(r"^### `(vllm\.[^`]+)`$", text, flags=re.M)
+    auto = text.count("(automatic: same AST")
+    assert len(changed) == n["changed"] + n["gone"]
+    # every changed symbol is cosmetic by the AST or has a hand-written verdict, and nothing else is in the file
+    assert n["changed"] + n["gone"] == len(verdicts) + auto and set(verdicts) <= set(changed)
+    assert sum(n.values()) == len(load_entries())

@@ -10,6 +10,11 @@ Commands (``python -m vtoken.patches ...``):
   symbol without an entry.
 * ``rebase --python OTHER [--entries DIR]``: per symbol unchanged / changed (with a
   unified diff of the upstream source) / gone, against the vLLM installed under OTHER.
+* ``report (--python OTHER | --from-json F) [--verdicts V] [--out MD] [--save-json F]``:
+  the same comparison as a Markdown report, ``patches/rebase-<version>.md``, with a verdict
+  per changed symbol (automatic ``cosmetic`` when the ASTs prove it, else hand-written in
+  ``patches/rebase-verdicts-<version>.toml``, else ``needs review``, exit 1); what
+  ``make rebase-check VLLM=x.y.z`` runs. See ``vtoken/patches/report.py``.
 * ``update [--python OTHER]``: rewrite fingerprints and ``upstream_version`` after a
   deliberate rebase; regenerates the index.
 * ``index [--check]``: write (or verify) ``patches/README.md``.

@@ -25,7 +25,7 @@ from vtoken.patches.manifest import (
 )
 from vtoken.patches.scan import Requirement, default_scan_files, scan_files
 
-__all__ = ["CheckReport", "run_check", "fingerprints_via", "rebase_report", "update_entries",
+__all__ = ["CheckReport", "run_check", "fingerprints_via", "rebase_compare", "rebase_report", "update_entries",
            "render_index", "write_index", "index_is_current", "add_entry"]
 
 
@@ -140,36 +140,55 @@ def fingerprints_via(python: Optional[str], entries: Iterable[Entry]) -> dict:
         return json.loads(out.read_text(encoding="utf-8"))
 
 
-def rebase_report(python: str, entries_dir: Path = DEFAULT_ENTRIES) -> tuple[str, dict[str, str]]:
+def rebase_compare(python: str, entries_dir: Path = DEFAULT_ENTRIES) -> "RebaseResult":
     """Compare every entry's upstream source here against the vLLM installed under ``python``.
 
-    Returns ``(text, {symbol: unchanged|changed|gone})``. ``changed``/``gone`` are relative
-    to the fingerprint recorded in the entry; the unified diff is between the source of
-    the vLLM installed here and there.
+    A symbol is ``changed``/``gone`` relative to the fingerprint recorded in its entry; the
+    ``old``/``new`` sources are those of the vLLM installed here and there (for the diff).
     """
+    from vtoken.patches.report import RebaseResult, SymbolResult
+
     entries = load_entries(entries_dir)
     here = fingerprints_via(None, entries.values())
     there = fingerprints_via(python, entries.values())
-    lines = [f"upstream rebase check: vLLM {here['vllm_version']} (here) -> {there['vllm_version']} ({python})", ""]
-    status: dict[str, str] = {}
+    out = []
     for sym, e in sorted(entries.items()):
         t = there["symbols"][sym]
         h = here["symbols"][sym]
+        s = SymbolResult(sym, "", kind=e.kind, used_by=list(e.used_by), change=e.change,
+                         old=h.get("source", "") if h["status"] == "ok" else "",
+                         fingerprint_old=e.fingerprint, fingerprint_new=t.get("fingerprint", ""))
         if t["status"] == "gone":
-            status[sym] = "gone"
-            lines.append(f"gone       {sym}  ({t['error']})")
+            s.status, s.error = "gone", t["error"]
+        elif t["fingerprint"] == e.fingerprint:
+            s.status, s.new = "unchanged", t["source"]
+        else:
+            s.status, s.new = "changed", t["source"]
+            if h["status"] == "ok" and h["fingerprint"] != e.fingerprint:
+                s.note = "the vLLM installed here does not match the entry either"
+        out.append(s)
+    return RebaseResult(here["vllm_version"], there["vllm_version"], out)
+
+
+def rebase_report(python: str, entries_dir: Path = DEFAULT_ENTRIES) -> tuple[str, dict[str, str]]:
+    """Text form of :func:`rebase_compare`: ``(text, {symbol: unchanged|changed|gone})``, with a
+    unified diff (old -> new source) under each changed symbol."""
+    res = rebase_compare(python, entries_dir)
+    lines = [f"upstream rebase check: vLLM {res.old_version} (here) -> {res.new_version} ({python})", ""]
+    status: dict[str, str] = {}
+    for s in res.symbols:
+        status[s.symbol] = s.status
+        if s.status == "gone":
+            lines.append(f"gone       {s.symbol}  ({s.error})")
             continue
-        if t["fingerprint"] == e.fingerprint:
-            status[sym] = "unchanged"
-            lines.append(f"unchanged  {sym}")
+        if s.status == "unchanged":
+            lines.append(f"unchanged  {s.symbol}")
             continue
-        status[sym] = "changed"
-        lines.append(f"changed    {sym}  [{e.kind}] {e.fingerprint[:19]}... -> {t['fingerprint'][:19]}...")
-        old = h.get("source", "") if h["status"] == "ok" else ""
-        if h["status"] == "ok" and h["fingerprint"] != e.fingerprint:
-            lines.append(f"           (note: the vLLM installed here does not match the entry either)")
-        diff = difflib.unified_diff(old.splitlines(), t["source"].splitlines(),
-                                    f"{sym} (vLLM {here['vllm_version']})", f"{sym} (vLLM {there['vllm_version']})",
+        lines.append(f"changed    {s.symbol}  [{s.kind}] {s.fingerprint_old[:19]}... -> {s.fingerprint_new[:19]}...")
+        if s.note:
+            lines.append(f"           (note: {s.note})")
+        diff = difflib.unified_diff(s.old.splitlines(), s.new.splitlines(),
+                                    f"{s.symbol} (vLLM {res.old_version})", f"{s.symbol} (vLLM {res.new_version})",
                                     lineterm="")
         lines += ["    " + d for d in diff]
     n = {k: sum(1 for v in status.values() if v == k) for k in ("unchanged", "changed", "gone")}

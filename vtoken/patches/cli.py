@@ -1,8 +1,9 @@
 """Command line of ``python -m vtoken.patches``.
 
 Exit status: 0 ok; 1 findings (check: any problem; rebase: any symbol changed or gone;
+report: a changed or gone symbol has no verdict;
 update: a symbol is gone; index --check: stale); 2 usage or setup error (malformed entry,
-an interpreter that cannot run, a symbol ``add`` cannot resolve).
+an interpreter that cannot run, a symbol ``add`` cannot resolve, a malformed verdicts file).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from vtoken.patches.manifest import DEFAULT_ENTRIES, DEFAULT_README, KINDS, EntryError
+from vtoken.patches.report import VerdictError
 
 __all__ = ["main"]
 
@@ -27,6 +29,16 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("rebase", help="compare against the vLLM installed under another interpreter")
     r.add_argument("--python", required=True)
     r.add_argument("--entries", type=Path, default=DEFAULT_ENTRIES)
+    rp = sub.add_parser("report", help="write the Markdown rebase report with verdicts (make rebase-check)")
+    src = rp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--python", help="interpreter of the other vLLM (as for rebase)")
+    src.add_argument("--from-json", type=Path, help="re-render from a comparison saved with --save-json")
+    rp.add_argument("--save-json", type=Path, default=None,
+                    help="also save the comparison (holds upstream source: keep it out of git, e.g. under .cache/)")
+    rp.add_argument("--verdicts", type=Path, default=None,
+                    help="hand-written verdicts (default patches/rebase-verdicts-<other version>.toml)")
+    rp.add_argument("--out", type=Path, default=None, help="default patches/rebase-<other version>.md")
+    rp.add_argument("--entries", type=Path, default=DEFAULT_ENTRIES)
     u = sub.add_parser("update", help="rewrite fingerprints + upstream_version, regenerate the index")
     u.add_argument("--python", default=None, help="interpreter whose vLLM to take (default: this one)")
     u.add_argument("--entries", type=Path, default=DEFAULT_ENTRIES)
@@ -47,6 +59,38 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _report(args) -> int:
+    import json
+
+    from vtoken.patches import report as rpt
+
+    if args.from_json:
+        res = rpt.RebaseResult.from_json(json.loads(args.from_json.read_text(encoding="utf-8")))
+    else:
+        from vtoken.patches.check import rebase_compare
+
+        print(f"comparing {len(list(args.entries.glob('*.toml')))} entries with the vLLM under {args.python} ...",
+              flush=True)
+        res = rebase_compare(args.python, args.entries)
+    if args.save_json:
+        args.save_json.parent.mkdir(parents=True, exist_ok=True)
+        args.save_json.write_text(json.dumps(res.to_json()), encoding="utf-8")
+    root = DEFAULT_ENTRIES.parent
+    verdicts = args.verdicts or root / f"rebase-verdicts-{res.new_version}.toml"
+    out = args.out or root / f"rebase-{res.new_version}.md"
+    given = rpt.write_report(res, verdicts, out)
+    n = rpt.summary_counts(res)
+    review = sorted(s for s, v in given.items() if v.verdict == rpt.NEEDS_REVIEW)
+    kinds = {k: sum(1 for v in given.values() if v.verdict == k) for k in rpt.VERDICTS}
+    print(f"vLLM {res.old_version} -> {res.new_version}: {n['unchanged']} unchanged, {n['changed']} changed, "
+          f"{n['gone']} gone; verdicts: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))
+    print(f"wrote {out}")
+    for s in review:
+        print(f"needs review: {s}")
+    print(f"{len(review)} changed symbol(s) need review" + (f": add verdicts to {verdicts}" if review else ""))
+    return 1 if review else 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from vtoken.patches import check as chk
@@ -63,6 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             text, status = chk.rebase_report(args.python, args.entries)
             print(text)
             return 0 if all(v == "unchanged" for v in status.values()) else 1
+        if args.cmd == "report":
+            return _report(args)
         if args.cmd == "update":
             updated, gone = chk.update_entries(args.python, args.entries, args.readme)
             for s in updated:
@@ -83,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               args.entries)
             print(f"wrote {p}; index {chk.write_index(args.entries, args.readme)}")
             return 0
-    except (EntryError, RuntimeError) as e:
+    except (EntryError, RuntimeError, VerdictError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 2
