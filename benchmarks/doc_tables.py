@@ -191,6 +191,44 @@ def scheduler_table(name: str = "bench_scheduler.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+def granularity_cost_table(name: str = "granularity_cost.json") -> str:
+    """``bench_granularity.py``: per policy and request count, the worker's decision ms per decode
+    step for each granularity (with the ratio to ``request``), and the side-cache bytes per KV slot
+    (share of SmolLM2's bf16 KV)."""
+    d = _load(name)
+    grans = ("request", "head_shared", "layer", "head")
+    mem = {(r["policy"], r["granularity"]): r for r in d["memory"]}
+    t = {(r["policy"], r["num_requests"], r["granularity"]): r for r in d["time"]}
+    rows = ["| policy | requests x live | " + " | ".join(f"{g} ({mem[('h2o', g)]['sets']} sets)" for g in grans) + " |",
+            "|---|---|" + "---|" * len(grans)]
+    for pol in dict.fromkeys(r["policy"] for r in d["time"]):
+        for R in sorted({r["num_requests"] for r in d["time"]}):
+            cells = [f"{t[(pol, R, g)]['median_ms']:.2f} ms ({t[(pol, R, g)]['ratio_to_request']:.1f}x)" for g in grans]
+            rows.append(f"| {pol} | {R} x {t[(pol, R, 'request')]['live'] + 1} | " + " | ".join(cells) + " |")
+        rows.append(f"| {pol} | side cache, bytes per slot (% of KV) | " + " | ".join(
+            f"{mem[(pol, g)]['bytes_per_token']:,} ({mem[(pol, g)]['percent_of_kv']:.2f} %)" for g in grans) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def quality_granularity_table(name: str = "quality_granularity.json") -> str:
+    """``bench_quality.py --granularity``: per policy, budget and pacing, ΔNLL and next-token
+    agreement for each granularity, and vToken's / Naive-Evict's retained blocks after the last step."""
+    d = _load(name)["oracle"]
+    grans = d["config"]["granularities"]
+    by = {(r["policy"], r["budget"], r["pacing"], r["granularity"]): r for r in d["summary"] if r["policy"] != "full"}
+    rows = ["| policy | budget | pacing | " + " | ".join(f"{g}: ΔNLL / agreement" for g in grans)
+            + " | retained blocks, vToken / Naive-Evict (" + ", ".join(grans) + ") |",
+            "|---|---|---|" + "---|" * (len(grans) + 1)]
+    for pol in d["config"]["policies"]:
+        for b in d["config"]["budgets"]:
+            for pc in d["config"]["pacings"]:
+                rs = [by[(pol, b, pc, g)] for g in grans]
+                rows.append(f"| {pol} | {b} | {pc} | " + " | ".join(
+                    f"+{r['delta_nll']:.3f} / {r['agree_full'] * 100:.1f} %" for r in rs) + " | "
+                    + ", ".join(f"{r['vtoken_blocks']:.1f} / {r['naive_blocks']:.1f}" for r in rs) + " |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -200,7 +238,8 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_h2o_faster_headline_table": lambda: sla_headline_table("sla_h2o_faster_scoring.json"),
           "sla_h2o_faster_table": lambda: sla_table("sla_h2o_faster_scoring.json"),
           "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json"),
-          "scheduler_table": scheduler_table}
+          "scheduler_table": scheduler_table, "granularity_cost_table": granularity_cost_table,
+          "quality_granularity_table": quality_granularity_table}
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ class SideCache:
             set has its own copy of every field: a slot of set ``s`` holds that set's token.
 
     Attributes:
-        fields: name -> tensor ``[num_slots, num_sets, *lead]``.
+        fields: name -> tensor ``[num_sets, num_slots, *lead]`` (set-major: a gather of ``R``
+            requests' slots is ``[S, R, N, *lead]``, whose ``(set, request)`` rows the batched
+            policy code takes as they are, without a copy).
     """
 
     def __init__(self, num_slots: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -67,28 +69,31 @@ class SideCache:
             raise ValueError(f"num_sets = {num_sets!r}; allowed: an integer >= 1")
         self.num_sets = num_sets
         specs = {"pos": ((), torch.int64), **specs}
-        self.fields = {k: torch.zeros((num_slots, num_sets, *lead), dtype=dt, device=device)
+        self.fields = {k: torch.zeros((num_sets, num_slots, *lead), dtype=dt, device=device)
                        for k, (lead, dt) in specs.items()}
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of side-cache state per KV slot, every set included (to count against the KV pool)."""
-        return sum(t[0].numel() * t.element_size() for t in self.fields.values()) if self.num_slots else 0
+        return sum(t[:, 0].numel() * t.element_size() for t in self.fields.values()) if self.num_slots else 0
 
     @property
     def num_slots(self) -> int:
-        return int(self.fields["pos"].shape[0])
+        return int(self.fields["pos"].shape[1])
 
     def gather(self, slots: torch.Tensor, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
-        """Fields at global ``slots`` (int64 ``[R, N]``): name -> ``[R, N, num_sets, *lead]``
+        """Fields at global ``slots`` (int64 ``[R, N]``): name -> ``[num_sets, R, N, *lead]``
         (copies); ``names``: only these (default: every field)."""
-        return {k: self.fields[k][slots] for k in (self.fields if names is None else names)}
+        flat = slots.reshape(-1)
+        return {k: (t := self.fields[k]).index_select(1, flat).view(t.shape[0], *slots.shape, *t.shape[2:])
+                for k in (self.fields if names is None else names)}
 
     def scatter(self, slots: torch.Tensor, mask: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Write ``values[name][mask]`` back to ``slots[mask]`` (bool ``mask`` ``[R, N]``)."""
+        """Write ``values[name][:, mask]`` (``[num_sets, R, N, *lead]``) back to ``slots[mask]``
+        (bool ``mask`` ``[R, N]``), in every set."""
         at = slots[mask]
         for k, v in values.items():
-            self.fields[k][at] = v[mask]
+            self.fields[k].index_copy_(1, at, v[:, mask])
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, sets: Optional[torch.Tensor] = None) -> None:
         """Copy every field's ``src`` slots to ``dst`` slots (gather first, then scatter), as the
@@ -97,9 +102,9 @@ class SideCache:
         if src.numel():
             for t in self.fields.values():
                 if sets is None:
-                    t[dst] = t[src]
+                    t[:, dst] = t[:, src]
                 else:
-                    t[dst, sets] = t[src, sets]
+                    t[sets, dst] = t[sets, src]
 
 
 class Eviction(NamedTuple):
@@ -139,7 +144,7 @@ class DeviceDecider:
         num_sets: token sets per request (``docs/granularity.md``). Every set of a request
             keeps the same live count (the request's ``live``); each has its own slot ->
             logical position map and policy state, and evicts the same ``k`` with the same
-            protections. The policy's batched methods see one row per (request, set).
+            protections. The policy's batched methods see one row per (set, request), set-major.
 
     Every method takes ``rows`` (int64 ``[R]``, distinct request rows) and ``block_table``
     (int ``[R, max_blocks]``: row ``i`` lists the blocks of request ``rows[i]``, before any
@@ -154,7 +159,7 @@ class DeviceDecider:
         self.num_sets = self.side.num_sets
         self.live = torch.zeros(max_requests, dtype=torch.int64, device=device)
         self.logical = torch.zeros(max_requests, dtype=torch.int64, device=device)
-        self.req_fields = {k: torch.zeros((max_requests, self.num_sets), dtype=dt, device=device)
+        self.req_fields = {k: torch.zeros((self.num_sets, max_requests), dtype=dt, device=device)
                            for k, dt in policy.request_specs().items()}
 
     def ensure_rows(self, n: int) -> None:
@@ -162,23 +167,23 @@ class DeviceDecider:
         have = self.live.shape[0]
         if n <= have:
             return
-        grow = lambda t: torch.cat([t, torch.zeros((n - have, *t.shape[1:]), dtype=t.dtype, device=t.device)])  # noqa: E731
+        grow = lambda t, d=0: torch.cat([t, torch.zeros((*t.shape[:d], n - have, *t.shape[d + 1:]), dtype=t.dtype,  # noqa: E731
+                                                        device=t.device)], dim=d)
         self.live, self.logical = grow(self.live), grow(self.logical)
-        self.req_fields = {k: grow(t) for k, t in self.req_fields.items()}
+        self.req_fields = {k: grow(t, 1) for k, t in self.req_fields.items()}
 
-    # (request, set) rows: [R, N, S, *lead] <-> [R*S, N, *lead]
-    def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        r, n, s = t.shape[:3]
-        return t.movedim(2, 1).reshape(r * s, n, *t.shape[3:])
+    # (set, request) rows: [S, R, N, *lead] <-> [S*R, N, *lead] (row s*R + r), views, no copy
+    @staticmethod
+    def _flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
     def _unflat(self, t: torch.Tensor) -> torch.Tensor:
-        rs, n = t.shape[:2]
-        return t.reshape(rs // self.num_sets, self.num_sets, n, *t.shape[2:]).movedim(1, 2)
+        return t.reshape(self.num_sets, t.shape[0] // self.num_sets, *t.shape[1:])
 
     def _rep(self, v: torch.Tensor | int) -> torch.Tensor | int:
-        """A per-request value ``[R]`` repeated for each of its sets ``[R*S]`` (ints pass)."""
+        """A per-request value ``[R]`` for every (set, request) row ``[S*R]`` (ints pass)."""
         if isinstance(v, torch.Tensor) and self.num_sets > 1:
-            return v.repeat_interleave(self.num_sets)
+            return v.repeat(self.num_sets)
         return v
 
     def _slots(self, rows: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +202,7 @@ class DeviceDecider:
         self.live[rows] = 0
         self.logical[rows] = 0
         for t in self.req_fields.values():
-            t[rows] = 0
+            t[:, rows] = 0
 
     def append(self, rows: torch.Tensor, block_table: torch.Tensor, counts: torch.Tensor) -> None:
         """Append ``counts[i]`` new tokens to request ``rows[i]``: logical positions
@@ -221,8 +226,8 @@ class DeviceDecider:
         slots = block_table.gather(1, rel_safe // bs).to(torch.int64) * bs + rel_safe % bs
         at = slots[mask]
         for k, t in self.side.fields.items():
-            t[at] = 0
-        self.side.fields["pos"][at] = (self.logical[rows][:, None] + j[None, :])[mask][:, None]
+            t[:, at] = 0
+        self.side.fields["pos"][:, at] = (self.logical[rows][:, None] + j[None, :])[mask][None, :]
         self.live[rows] += counts
         self.logical[rows] += counts
 
@@ -233,7 +238,7 @@ class DeviceDecider:
 
         Args:
             col_sum, last_row: float ``[R, N]`` (one set) or ``[R, S, N]``, in each set's slot
-                order, ``N >= max live``; or None.
+                order, ``N >= max live``; or None. Padding past a request's live count is ignored.
         """
         if rows.shape[0] == 0 or (col_sum is None and last_row is None):
             return
@@ -251,17 +256,16 @@ class DeviceDecider:
         n = (col_sum if col_sum is not None else last_row).shape[2]
         slots, mask = self._slots(rows, block_table, n)
         fields = {k: self._flat(v) for k, v in self.side.gather(slots, [k for k in self.side.fields if k != "pos"]).items()}
-        req = {k: t[rows].reshape(r * sets) for k, t in self.req_fields.items()}
+        req = {k: t[:, rows].reshape(sets * r) for k, t in self.req_fields.items()}
         live = self._rep(self.live[rows])
-        mask_f = self._rep_mask(mask)
-        zero = lambda x: None if x is None else torch.where(mask_f, x.reshape(r * sets, n), torch.zeros((), dtype=x.dtype, device=x.device))  # noqa: E731
+        mask_f = mask.repeat(sets, 1) if sets > 1 else mask
+        # [R, S, N] -> rows s*R + r
+        zero = lambda x: None if x is None else torch.where(  # noqa: E731
+            mask_f, x.transpose(0, 1).reshape(sets * r, n), torch.zeros((), dtype=x.dtype, device=x.device))
         self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row))
         self.side.scatter(slots, mask, {k: self._unflat(v) for k, v in fields.items()})
         for k, t in self.req_fields.items():
-            t[rows] = req[k].reshape(r, sets)
-
-    def _rep_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        return mask.repeat_interleave(self.num_sets, dim=0) if self.num_sets > 1 else mask
+            t[:, rows] = req[k].reshape(sets, r)
 
     def evict(self, rows: torch.Tensor, block_table: torch.Tensor, k: torch.Tensor, *,
               sink_tokens: torch.Tensor | int = 0, recent_tokens: torch.Tensor | int = 0,
@@ -290,30 +294,30 @@ class DeviceDecider:
         slots, mask = self._slots(rows, block_table, n)
         fields = {name: self._flat(v) for name, v in self.side.gather(slots).items()}
         pos = fields.pop("pos")
-        req = {name: t[rows].reshape(r * sets) for name, t in self.req_fields.items()}
+        req = {name: t[:, rows].reshape(sets * r) for name, t in self.req_fields.items()}
         live_f = self._rep(live)
         scores = self.policy.score_batched({**fields, **req}, pos, live_f)
         victims = select_victims(scores, pos, live_f, self._rep(k), sink_tokens=self._rep(sink_tokens),
                                  recent_tokens=self._rep(recent_tokens),
                                  protected_prefix=self._rep(protected_prefix), num_logical=self._rep(self.logical[rows]))
         plan = plan_moves(victims, live_f)
-        new_live = plan.new_live.view(r, sets)
-        if sets > 1 and r and not bool((new_live == new_live[:, :1]).all()):  # one host sync
+        new_live = plan.new_live.view(sets, r)
+        if sets > 1 and r and not bool((new_live == new_live[:1]).all()):  # one host sync
             raise RuntimeError(f"vToken: token sets of a request would keep different counts: {new_live.tolist()}")
         ev_rows, ev_cols = victims.nonzero(as_tuple=True)
-        req_rows = plan.rows // sets if sets > 1 else plan.rows
-        set_ids = plan.rows % sets if sets > 1 else torch.zeros_like(plan.rows)
+        req_rows = plan.rows % r if sets > 1 else plan.rows
+        set_ids = plan.rows // r if sets > 1 else torch.zeros_like(plan.rows)
         src = slots[req_rows, plan.src]
         dst = slots[req_rows, plan.dst]
         self.side.move(src, dst, set_ids if sets > 1 else None)
-        self.live[rows] = new_live[:, 0]
-        ev_req = ev_rows // sets if sets > 1 else ev_rows
-        return Eviction(src, dst, req_rows, plan.src, plan.dst, new_live[:, 0], pos[ev_rows, ev_cols], ev_req, set_ids)
+        self.live[rows] = new_live[0]
+        ev_req = ev_rows % r if sets > 1 else ev_rows
+        return Eviction(src, dst, req_rows, plan.src, plan.dst, new_live[0], pos[ev_rows, ev_cols], ev_req, set_ids)
 
     def logical_pos(self, row: int, block_table_row: torch.Tensor, set_index: int = 0) -> torch.Tensor:
         """int64 ``[live]``: request ``row``'s slot -> logical position in set ``set_index``
         (tests, snapshots)."""
         n = int(self.live[row])
         rel = torch.arange(n, device=block_table_row.device)
-        return self.side.fields["pos"][global_slots(block_table_row[None, :], torch.zeros_like(rel), rel, self.block_size),
-                                       set_index]
+        return self.side.fields["pos"][set_index,
+                                       global_slots(block_table_row[None, :], torch.zeros_like(rel), rel, self.block_size)]

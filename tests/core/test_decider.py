@@ -179,19 +179,19 @@ def test_traces_evict(policy_name):
 def test_side_cache_moves_every_field_and_counts_bytes():
     sc = SideCache(8, {"acc": ((), torch.float64), "hist": ((3,), torch.bool)})
     assert sc.bytes_per_token == 8 + 8 + 3
-    sc.fields["pos"][:, 0] = torch.arange(8)
-    sc.fields["acc"][:, 0] = torch.arange(8, dtype=torch.float64) / 2
-    sc.fields["hist"][5, 0] = torch.tensor([True, False, True])
+    sc.fields["pos"][0] = torch.arange(8)
+    sc.fields["acc"][0] = torch.arange(8, dtype=torch.float64) / 2
+    sc.fields["hist"][0, 5] = torch.tensor([True, False, True])
     sc.move(torch.tensor([5, 7]), torch.tensor([1, 2]))
-    assert sc.fields["pos"][:, 0].tolist() == [0, 5, 7, 3, 4, 5, 6, 7]
-    assert sc.fields["acc"][1:3, 0].tolist() == [2.5, 3.5]
-    assert sc.fields["hist"][1, 0].tolist() == [True, False, True]
+    assert sc.fields["pos"][0].tolist() == [0, 5, 7, 3, 4, 5, 6, 7]
+    assert sc.fields["acc"][0, 1:3].tolist() == [2.5, 3.5]
+    assert sc.fields["hist"][0, 1].tolist() == [True, False, True]
     # two sets: a move of set 1 leaves set 0's slots alone
     two = SideCache(4, {}, num_sets=2)
     assert two.bytes_per_token == 16
-    two.fields["pos"][:] = torch.tensor([[0, 10], [1, 11], [2, 12], [3, 13]])
+    two.fields["pos"][:] = torch.tensor([[0, 1, 2, 3], [10, 11, 12, 13]])
     two.move(torch.tensor([3]), torch.tensor([0]), torch.tensor([1]))
-    assert two.fields["pos"].tolist() == [[0, 13], [1, 11], [2, 12], [3, 13]]
+    assert two.fields["pos"].tolist() == [[0, 1, 2, 3], [13, 11, 12, 13]]
     with pytest.raises(ValueError, match="num_sets = 0"):
         SideCache(4, {}, num_sets=0)
     with pytest.raises(ValueError, match="'pos' is reserved"):
