@@ -28,6 +28,8 @@ Usage::
     python benchmarks/bench_quality.py --granularity  # = make bench-quality-granularity: the same 40
                                                  # conversations, H2O / TOVA / Scissorhands x budget x pacing
                                                  # x token sets (request / layer / head, docs/granularity.md)
+    python benchmarks/bench_quality.py --granularity --from-partial benchmarks/results/quality_granularity.partial.json
+                                                 # an interrupted run's finished conversations as the result
 """
 
 from __future__ import annotations
@@ -232,6 +234,55 @@ def retained_blocks(res, block_size: int) -> dict:
     return dict(vtoken_blocks=cdiv(len(res.live_positions), block_size), naive_blocks=naive)
 
 
+def oracle_configs(p: dict) -> list:
+    """``None`` (the full cache) then every (policy, budget, pacing, granularity) of the plan."""
+    pacings = p.get("pacings", ["fixed"])
+    grans = p.get("granularities", [None])
+    return [None] + [(pol, b, pc, g) for pol in p["policies"] for b in p["budgets"] for pc in pacings for g in grans]
+
+
+def summarize(configs: list, rows: list[dict]) -> list[dict]:
+    """Per configuration: means over its rows (conversations), ΔNLL against the same
+    conversation's full-cache row; with a granularity, the retained-blocks means too."""
+    summary = []
+    full = {r["conv"]: r for r in rows if r["policy"] == "full"}
+    for conf in configs:
+        pol, b, pc, g = conf if conf else ("full", None, None, None)
+        rs = [r for r in rows if r["policy"] == pol and r["budget"] == b and r["pacing"] == pc
+              and r.get("granularity") == g]
+        nll = mean(r["nll"] for r in rs)
+        summary.append(dict(policy=pol, budget=b, pacing=pc, **({} if g is None else dict(granularity=g)),
+                            n=len(rs), nll=nll, ppl=math.exp(nll),
+                            delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
+                            top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs),
+                            mean_final_live=mean(r["final_live"] for r in rs),
+                            **({} if g is None or conf is None else dict(
+                                vtoken_blocks=mean(r["vtoken_blocks"] for r in rs),
+                                naive_blocks=mean(r["naive_blocks"] for r in rs)))))
+    return summary
+
+
+def from_partial(path: Path, out_path: Path) -> dict:
+    """The result of an interrupted run from its ``.partial.json`` (rows of the conversations it
+    finished): summary over those conversations only; ``meta.partial`` says how many of how many."""
+    part = json.loads(Path(path).read_text())
+    p, done = part["config"], part["done_convs"]
+    rows = [r for r in part["rows"] if r["conv"] < done]
+    pool_stats = {}
+    if "pressure" in p.get("pacings", []):
+        for b in p["budgets"]:
+            pool_stats[b] = pressure_schedules(p["n_conv"], p["prompt_len"], p["K"], b, **p["pool"])[1]
+    orc = dict(config=p, rows=rows, summary=summarize(oracle_configs(p), rows), pool_stats=pool_stats)
+    res = dict(meta=run_metadata(benchmark="quality", size="granularity" if "granularities" in p else "scale",
+                                 seeds=dict(data_shuffle=SEED + 1, engine=0, random_policy=0),
+                                 model="SmolLM2-135M-Instruct (oracle fp32 HF eager)", plan=dict(oracle=p),
+                                 partial=dict(done_convs=done, n_conv=p["n_conv"], from_file=str(path)),
+                                 total_wall_s=sum(r["wall_s"] for r in rows), load_average_at_end=os.getloadavg()),
+               oracle=orc)
+    write_json(out_path, res)
+    return res
+
+
 def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
     import torch
 
@@ -242,9 +293,7 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
     convs = load_long_conversations(p["n_conv"], p["prompt_len"] + p["K"], seed=SEED + 1)
     rows = []
     pacings = p.get("pacings", ["fixed"])
-    grans = p.get("granularities", [None])
-    configs = [None] + [(pol, b, pc, g) for pol in p["policies"] for b in p["budgets"] for pc in pacings
-                        for g in grans]
+    configs = oracle_configs(p)
     schedules, pool_stats = {}, {}
     if "pressure" in pacings:
         for b in p["budgets"]:
@@ -278,21 +327,7 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
             bar.update(1)
         if partial is not None:
             write_json(partial, dict(config=p, rows=rows, done_convs=ci + 1))
-    summary = []
-    full = {r["conv"]: r for r in rows if r["policy"] == "full"}
-    for conf in configs:
-        pol, b, pc, g = conf if conf else ("full", None, None, None)
-        rs = [r for r in rows if r["policy"] == pol and r["budget"] == b and r["pacing"] == pc
-              and r.get("granularity") == g]
-        nll = mean(r["nll"] for r in rs)
-        summary.append(dict(policy=pol, budget=b, pacing=pc, **({} if g is None else dict(granularity=g)),
-                            n=len(rs), nll=nll, ppl=math.exp(nll),
-                            delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
-                            top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs),
-                            mean_final_live=mean(r["final_live"] for r in rs),
-                            **({} if g is None or conf is None else dict(
-                                vtoken_blocks=mean(r["vtoken_blocks"] for r in rs),
-                                naive_blocks=mean(r["naive_blocks"] for r in rs)))))
+    summary = summarize(configs, rows)
     return dict(config=p, rows=rows, summary=summary, pool_stats=pool_stats)
 
 
@@ -475,7 +510,15 @@ def plot_granularity(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity"))
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity"),
+                                     from_partial=True)
+    if args.from_partial:
+        res = from_partial(args.from_partial, out_path)
+        if "granularities" in res["oracle"]["config"]:
+            plot_granularity(res, out_path.with_suffix(".png"))
+        else:
+            plot_scale(res, out_path.with_suffix(".png"))
+        return 0
     if args.replot:
         res = json.loads(args.replot.read_text())
         if "granularities" in res["oracle"]["config"]:

@@ -84,7 +84,7 @@ def machine_info() -> dict[str, Any]:
                 load_average_1_5_15=list(os.getloadavg()))
 
 
-def parse_size_args(argv, description: str, name: str, extra_sizes: tuple[str, ...] = ()):
+def parse_size_args(argv, description: str, name: str, extra_sizes: tuple[str, ...] = (), from_partial: bool = False):
     """The ``--small | --full`` (default full), ``--out`` and ``--replot`` options shared by the benchmarks.
 
     ``extra_sizes`` adds more ``--<size>`` choices (e.g. ``("scale",)`` for the quality benchmark).
@@ -102,6 +102,9 @@ def parse_size_args(argv, description: str, name: str, extra_sizes: tuple[str, .
     ap.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}_<size>.json)")
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
                     help="only redraw the plots of an existing result file (no engine runs)")
+    if from_partial:
+        ap.add_argument("--from-partial", type=Path, default=None, metavar="JSON",
+                        help="write the result of an interrupted run from its .partial.json (finished parts only)")
     args = ap.parse_args(argv)
     return args, args.out or RESULTS / f"{name}_{args.size}.json"
 

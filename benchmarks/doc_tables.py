@@ -224,7 +224,7 @@ def quality_granularity_table(name: str = "quality_granularity.json") -> str:
             for pc in d["config"]["pacings"]:
                 rs = [by[(pol, b, pc, g)] for g in grans]
                 rows.append(f"| {pol} | {b} | {pc} | " + " | ".join(
-                    f"+{r['delta_nll']:.3f} / {r['agree_full'] * 100:.1f} %" for r in rs) + " | "
+                    f"{r['delta_nll']:+.3f} / {r['agree_full'] * 100:.1f} %" for r in rs) + " | "
                     + ", ".join(f"{r['vtoken_blocks']:.1f} / {r['naive_blocks']:.1f}" for r in rs) + " |")
     return "\n".join(rows) + "\n"
 
