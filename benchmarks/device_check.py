@@ -252,6 +252,16 @@ def bench_worker_decider() -> list[dict[str, Any]]:
             for live in (2048, 8192):
                 rows.append(time_worker(policy, r, live, device="cuda", reps=10))
                 print(f"worker decider {policy} {r} x {live}: {rows[-1]['median_ms']:.3f} ms")
+    # per-layer and per-head token sets (issue 23, docs/granularity.md): SmolLM2's 30 layers x 3 KV
+    # heads, H2O, 256 requests x 2,048 live; the ratio to one set per request
+    base = None
+    for sets, name in ((1, "request"), (3, "head_shared"), (30, "layer"), (90, "head")):
+        row = dict(time_worker("h2o", 256, 2048, device="cuda", reps=10, num_sets=sets), granularity=name)
+        base = base or row["median_ms"]
+        row["ratio_to_request"] = row["median_ms"] / base
+        rows.append(row)
+        print(f"worker decider h2o 256 x 2048, {name} ({sets} sets): {row['median_ms']:.3f} ms "
+              f"({row['ratio_to_request']:.1f}x request)")
     return rows
 
 
