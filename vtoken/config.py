@@ -64,6 +64,13 @@ def _unknown_key_msg(key: str) -> str:
     return f"{what}; allowed: {sorted(VTokenConfig.model_fields)}"
 
 
+def get_policy_needs(name: str):
+    """The :class:`~vtoken.policies.base.AttentionNeed` of the registered policy ``name``."""
+    from vtoken.policies import get_policy_class
+
+    return get_policy_class(name).needs
+
+
 def _known_policies() -> list[str]:
     from vtoken.policies import available_policies
 
@@ -176,6 +183,18 @@ class VTokenConfig(BaseModel):
                 sep = "." if re.match(r"\w+ = ", rest) else ": "
                 msg = f"vtoken.policy_args{sep}{rest} (policy {self.policy!r})"
             raise ValueError(msg) from None
+        from vtoken.policies.base import AttentionNeed
+
+        if get_policy_needs(self.policy) & AttentionNeed.KEY_NORM:
+            if self.decide_on != "worker":
+                raise ValueError(
+                    f"vtoken.policy = {self.policy!r} scores keys as they are written, on the worker: it needs "
+                    f"vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with decide_on scheduler: a policy "
+                    "that scores from attention or from positions (h2o, tova, scissorhands, streaming, random)")
+            if self.score_every != 1:
+                raise ValueError(
+                    f"vtoken.score_every = {self.score_every} with vtoken.policy = {self.policy!r}: a key-only policy "
+                    "records each key's norm in the step that writes it, so every step is scored; allowed: 1")
         if self.granularity not in (None, "request") and self.decide_on != "worker":
             raise ValueError(
                 f"vtoken.granularity = {self.granularity!r} needs vtoken.decide_on = 'worker' (per-set token tables "

@@ -232,19 +232,21 @@ class DeviceDecider:
         self.logical[rows] += counts
 
     def observe(self, rows: torch.Tensor, block_table: torch.Tensor, col_sum: Optional[torch.Tensor],
-                last_row: Optional[torch.Tensor]) -> None:
+                last_row: Optional[torch.Tensor], key_norm: Optional[torch.Tensor] = None) -> None:
         """Fold one step's statistics into the side cache: :meth:`EvictionPolicy.observe_batched`
         on every (request, set) row.
 
         Args:
             col_sum, last_row: float ``[R, N]`` (one set) or ``[R, S, N]``, in each set's slot
                 order, ``N >= max live``; or None. Padding past a request's live count is ignored.
+            key_norm: as ``col_sum``, the norms of the keys written in the step (``NaN``
+                elsewhere), for a policy that needs ``AttentionNeed.KEY_NORM``; or None.
         """
-        if rows.shape[0] == 0 or (col_sum is None and last_row is None):
+        if rows.shape[0] == 0 or (col_sum is None and last_row is None and key_norm is None):
             return
         r, sets = rows.shape[0], self.num_sets
         shaped = []
-        for x in (col_sum, last_row):
+        for x in (col_sum, last_row, key_norm):
             if x is not None:
                 if x.dim() == 2:
                     x = x[:, None, :]
@@ -252,8 +254,8 @@ class DeviceDecider:
                     raise ValueError(f"statistics have shape {tuple(x.shape)}; expected [{r}, {sets}, N] "
                                      f"(requests, token sets, slots)")
             shaped.append(x)
-        col_sum, last_row = shaped
-        n = (col_sum if col_sum is not None else last_row).shape[2]
+        col_sum, last_row, key_norm = shaped
+        n = next(x for x in shaped if x is not None).shape[2]
         slots, mask = self._slots(rows, block_table, n)
         fields = {k: self._flat(v) for k, v in self.side.gather(slots, [k for k in self.side.fields if k != "pos"]).items()}
         req = {k: t[:, rows].reshape(sets * r) for k, t in self.req_fields.items()}
@@ -262,7 +264,11 @@ class DeviceDecider:
         # [R, S, N] -> rows s*R + r
         zero = lambda x: None if x is None else torch.where(  # noqa: E731
             mask_f, x.transpose(0, 1).reshape(sets * r, n), torch.zeros((), dtype=x.dtype, device=x.device))
-        self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row))
+        extra = {}
+        if key_norm is not None:  # NaN (not written this step) stays NaN; padding becomes NaN too
+            extra["key_norm"] = torch.where(mask_f, key_norm.transpose(0, 1).reshape(sets * r, n),
+                                            torch.full((), float("nan"), dtype=key_norm.dtype, device=key_norm.device))
+        self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row), **extra)
         self.side.scatter(slots, mask, {k: self._unflat(v) for k, v in fields.items()})
         for k, t in self.req_fields.items():
             t[:, rows] = req[k].reshape(sets, r)

@@ -78,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vtoken.policies.base import SlotState
 
 __all__ = ["OracleResult", "oracle_generate", "load_oracle_model", "attention_stats", "attention_stats_sets",
+           "key_norm_sets",
            "GRANULARITIES", "set_index_map"]
 
 #: the token-set granularities, ``docs/granularity.md``
@@ -266,6 +267,33 @@ def attention_stats_sets(attentions: Sequence[torch.Tensor], need: AttentionNeed
         last_row = mean[-1].cpu().numpy().copy() if need & AttentionNeed.LAST_ROW else None
         out.append(AttentionStats(col_sum=col_sum, last_row=last_row))
     return out
+
+
+def key_norm_sets(cache, q: int, set_of: np.ndarray) -> list[np.ndarray]:
+    """L2 norms of the keys of the last ``q`` cache entries (the step's own tokens, the newest
+    positions, so the last entries of every set's cache), averaged per token set.
+
+    Args:
+        cache: the oracle's ``DynamicCache`` (per layer keys ``[1, Hkv, T, hd]``).
+        q: tokens written in the step.
+        set_of: int ``[L, Hkv']`` (layer, KV head) -> set (:func:`set_index_map`; ``Hkv' = 1``
+            for ``request``: every head of a layer in set 0).
+
+    Returns:
+        per set, float64 ``[q]``: the mean over the set's (layer, KV head) pairs of ``|k|_2``
+        (``docs/granularity.md``; ``request``: over every layer and KV head).
+    """
+    norms = torch.stack([layer.keys[0, :, -q:, :].to(torch.float64).norm(dim=-1) for layer in cache.layers])
+    L, H = norms.shape[:2]  # [L, Hkv, q]
+    S = int(set_of.max()) + 1
+    acc = [torch.zeros(q, dtype=torch.float64) for _ in range(S)]
+    cnt = [0] * S
+    for l_ in range(L):
+        for g in range(H):
+            s = int(set_of[l_, g if set_of.shape[1] > 1 else 0])
+            acc[s] += norms[l_, g].cpu()
+            cnt[s] += 1
+    return [(a / c).numpy() for a, c in zip(acc, cnt)]
 
 
 def _check_model(model) -> None:
@@ -462,8 +490,14 @@ def oracle_generate(
         )
         if _cache_len(cache) != n_before + q:  # pragma: no cover - a transformers change
             raise RuntimeError("oracle_generate: the cache did not grow by the step's tokens")
-        if states and want_attn:
-            stats = attention_stats_sets(out.attentions, need, granularity, num_kv_heads)
+        if states and (want_attn or (scored and need & AttentionNeed.KEY_NORM)):
+            stats = (attention_stats_sets(out.attentions, need, granularity, num_kv_heads) if want_attn
+                     else [AttentionStats() for _ in range(S)])
+            if need & AttentionNeed.KEY_NORM:
+                for s, kn in enumerate(key_norm_sets(cache, q, set_of)):
+                    row = np.full(len(pos[s]), np.nan)
+                    row[len(pos[s]) - q:] = kn
+                    stats[s] = AttentionStats(col_sum=stats[s].col_sum, last_row=stats[s].last_row, key_norm=row)
             for s in range(S):
                 lagqs[s].expect(step, pos[s], sampled=True)
                 lagqs[s].deliver(step, stats[s])

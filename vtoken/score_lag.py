@@ -93,13 +93,14 @@ def remap_stats(stats: AttentionStats, from_logical_pos: np.ndarray, to_logical_
         ValueError: an array's length differs from ``len(from_logical_pos)``.
     """
     n_from = len(from_logical_pos)
-    for name in ("col_sum", "last_row"):
+    for name in ("col_sum", "last_row", "key_norm"):
         a = getattr(stats, name)
         if a is not None and len(a) != n_from:
             raise ValueError(f"remap_stats: {name} covers {len(a)} slots; the step had {n_from}")
     same = len(to_logical_pos) == n_from and np.array_equal(to_logical_pos, from_logical_pos)
     if same:
-        return AttentionStats(col_sum=stats.col_sum, last_row=stats.last_row, num_keys=n_from)
+        return AttentionStats(col_sum=stats.col_sum, last_row=stats.last_row, num_keys=n_from,
+                              key_norm=stats.key_norm)
     index = np.full(num_logical, -1, dtype=np.int64)
     index[from_logical_pos] = np.arange(n_from)
     src = index[to_logical_pos]  # [n_to]: slot in the old layout, -1 if new
@@ -112,7 +113,8 @@ def remap_stats(stats: AttentionStats, from_logical_pos: np.ndarray, to_logical_
         out[missing] = np.nan
         return out
 
-    return AttentionStats(col_sum=remap(stats.col_sum), last_row=remap(stats.last_row), num_keys=n_from)
+    return AttentionStats(col_sum=remap(stats.col_sum), last_row=remap(stats.last_row), num_keys=n_from,
+                          key_norm=remap(stats.key_norm))
 
 
 class ScoreLagQueue:

@@ -16,7 +16,7 @@ from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
 from vtoken.token_table import TokenTable
 
 B = 4
-POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random"]
+POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -35,8 +35,9 @@ class _Ref:
         t = self.table
         return TokenView(t.logical_pos, t.num_logical, 0, prefix)
 
-    def observe(self, col, last):
-        self.pol.observe(self.state, self.table.num_live, AttentionStats(col_sum=col, last_row=last), self.view())
+    def observe(self, col, last, kn=None):
+        self.pol.observe(self.state, self.table.num_live, AttentionStats(col_sum=col, last_row=last, key_norm=kn),
+                         self.view())
 
     def evict(self, k, prefix):
         victims = self.pol.select_victims(self.state, self.view(prefix), k)
@@ -49,7 +50,8 @@ class _Ref:
 def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1):
     rng = np.random.default_rng(seed)
     cfg = VTokenConfig(policy=policy_name, budget=budget, seed=seed % 7,
-                       **({"policy_args": {"window": 3}} if policy_name == "scissorhands" else {}))
+                       **({"policy_args": {"window": 3}} if policy_name == "scissorhands" else {}),
+                       **({"decide_on": "worker"} if policy_name == "knorm" else {}))
     pol = cfg.make_policy()
     sinks, recent = cfg.protections()
     max_blocks = 16
@@ -108,13 +110,20 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1):
         col = np.round(rng.random((len(run), sets, width)) * 4) / 4
         last = np.round(rng.random((len(run), sets, width)) * 8) / 8 / 4
         samples = (prefill[run] <= 9) | (step != 0)  # a non-final prefill chunk has no last row
+        # key norms: the step's own keys only (its last c slots), NaN elsewhere and in the padding
+        kn = np.round(rng.random((len(run), sets, width)) * 8) / 8
+        for j, i in enumerate(run):
+            kn[j, :, : refs[i].table.num_live - c[j]] = np.nan
+            kn[j, :, refs[i].table.num_live:] = np.nan
+        use_kn = bool(pol.needs & AttentionNeed.KEY_NORM)
         for j, i in enumerate(run):
             n = refs[i].table.num_live
             for s_, ref in enumerate(refs_sets[i]):
                 ref.observe(col[j, s_, :n].copy() if pol.needs & AttentionNeed.COL_SUM else None,
-                            last[j, s_, :n].copy() if pol.needs & AttentionNeed.LAST_ROW and samples[j] else None)
+                            last[j, s_, :n].copy() if pol.needs & AttentionNeed.LAST_ROW and samples[j] else None,
+                            kn[j, s_, :n].copy() if use_kn else None)
         if sets == 1:
-            col, last = col[:, 0], last[:, 0]
+            col, last, kn = col[:, 0], last[:, 0], kn[:, 0]
         if pol.needs != AttentionNeed.NONE:
             # the batch shares one kind of step: observe sampling and non-sampling rows apart
             for part in (np.flatnonzero(samples), np.flatnonzero(~samples)):
@@ -123,7 +132,8 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1):
                 dec.observe(rows[part], bt[run][part],
                             torch.tensor(col[part], device=device) if pol.needs & AttentionNeed.COL_SUM else None,
                             torch.tensor(last[part], device=device)
-                            if pol.needs & AttentionNeed.LAST_ROW and samples[part[0]] else None)
+                            if pol.needs & AttentionNeed.LAST_ROW and samples[part[0]] else None,
+                            torch.tensor(kn[part], device=device) if use_kn else None)
         counts_log.append(len(run))
         # 4. the token tables agree
         for i in range(num_req):

@@ -265,3 +265,37 @@ def test_request_granular_only_arguments(gqa):
     # request granularity keeps both
     req = _cfg("h2o", 24, "request")
     assert len(oracle_generate(gqa, _prompt(), 4, req, score_lag=1, preempt_at=[2]).token_ids) == 4
+
+
+def test_key_norm_sets_exact():
+    """K-norm's statistic in the oracle: the mean L2 norm of the step's keys over each set's
+    (layer, KV head) pairs, from keys whose norms are known by construction (3-4-12 and 5-12-13
+    triangles scaled per layer and head)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from vtoken.oracle import key_norm_sets, set_index_map
+
+    L, H, T, q = 2, 2, 5, 2
+    layers = []
+    want = np.zeros((L, H, q))
+    for l_ in range(L):
+        k = torch.zeros(1, H, T, 3, dtype=torch.float64)
+        for g in range(H):
+            for j in range(q):
+                f = 1 + l_ + 2 * g + 4 * j
+                k[0, g, T - q + j] = torch.tensor([3.0, 4.0, 12.0]) * f  # norm 13 f
+                want[l_, g, j] = 13 * f
+            k[0, g, : T - q] = 100.0  # older tokens: never read
+        layers.append(SimpleNamespace(keys=k))
+    cache = SimpleNamespace(layers=layers)
+    assert [x.tolist() for x in key_norm_sets(cache, q, set_index_map("head", L, H))] == \
+        [want[l_, g].tolist() for l_ in range(L) for g in range(H)]
+    got = key_norm_sets(cache, q, set_index_map("layer", L, H))
+    assert [x.tolist() for x in got] == [want[l_].mean(axis=0).tolist() for l_ in range(L)]
+    got = key_norm_sets(cache, q, set_index_map("head_shared", L, H))
+    assert [x.tolist() for x in got] == [want[:, g].mean(axis=0).tolist() for g in range(H)]
+    got = key_norm_sets(cache, q, set_index_map("request", L, 1))
+    assert [x.tolist() for x in got] == [want.reshape(-1, q).mean(axis=0).tolist()]

@@ -32,7 +32,8 @@ def stats_for(policy, pos: np.ndarray, step: int, sample: bool = True) -> Attent
     vals = np.array([((p * 7 + step * 3) % 11 + 1) / 64.0 for p in pos])  # dyadic, exact sums
     col = vals if policy.needs & AttentionNeed.COL_SUM else None
     last = vals / vals.sum() if (sample and policy.needs & AttentionNeed.LAST_ROW) else None
-    return AttentionStats(col_sum=col, last_row=last)
+    kn = vals.copy() if policy.needs & AttentionNeed.KEY_NORM else None
+    return AttentionStats(col_sum=col, last_row=last, key_norm=kn)
 
 
 def append(policy, state: SlotState, pos: np.ndarray, n: int, step: int, sample: bool = True) -> np.ndarray:
@@ -55,6 +56,8 @@ def check_victims(policy, view: TokenView, victims: np.ndarray, k: int) -> None:
 
 
 def policy_for(name: str, **kw):
+    if get_policy_class(name).needs & AttentionNeed.KEY_NORM:
+        kw.setdefault("decide_on", "worker")  # key-only policies run on the worker only
     cfg = VTokenConfig(policy=name, **kw)
     return cfg, cfg.make_policy()
 

@@ -31,6 +31,7 @@ _BUILTIN = {
     "random": "vtoken.policies.random:RandomPolicy",
     "streaming": "vtoken.policies.streaming:StreamingLLMPolicy",
     "tova": "vtoken.policies.tova:TOVAPolicy",
+    "knorm": "vtoken.policies.knorm:KNormPolicy",
 }
 
 

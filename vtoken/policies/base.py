@@ -55,6 +55,9 @@ class AttentionNeed(enum.Flag):
     NONE = 0
     COL_SUM = enum.auto()
     LAST_ROW = enum.auto()
+    #: the L2 norm of each key written in the step (key-only policies: no attention pass;
+    #: ``decide_on: worker`` only)
+    KEY_NORM = enum.auto()
 
 
 @dataclass
@@ -68,11 +71,16 @@ class AttentionStats:
         num_keys: keys the step attended over, when it differs from the arrays' length
             (statistics remapped after a repack, :func:`vtoken.score_lag.remap_stats`);
             None: the arrays' length. Entries may then be ``NaN`` (slot not covered).
+        key_norm: float64 ``[num_keys]``: the L2 norm of the key of each slot written in this
+            step (post-RoPE; RoPE is a rotation, so the norm is the pre-RoPE one), averaged over
+            the (layer, KV head) pairs of the token set; ``NaN`` for every other slot. None when
+            not requested.
     """
 
     col_sum: Optional[np.ndarray] = None
     last_row: Optional[np.ndarray] = None
     num_keys: Optional[int] = None
+    key_norm: Optional[np.ndarray] = None
 
 
 class SlotState:
@@ -266,7 +274,7 @@ class EvictionPolicy(ABC):
         return {}
 
     def observe_batched(self, fields: BatchedFields, live: torch.Tensor, col_sum: Optional[torch.Tensor],
-                        last_row: Optional[torch.Tensor]) -> None:
+                        last_row: Optional[torch.Tensor], **stats: Optional[torch.Tensor]) -> None:
         """Fold one step's statistics for a batch of requests, in place, on the device.
 
         The batched :meth:`observe`: row ``r`` of every tensor is one request, equal to what
@@ -278,6 +286,8 @@ class EvictionPolicy(ABC):
             live: int64 ``[R]``: live slots per request after the step (the keys attended).
             col_sum, last_row: float ``[R, N]`` (padding past ``live`` is 0), or None when
                 the step did not produce them (the batch shares one kind of step).
+            stats: further statistics by name, given only to a policy that needs them:
+                ``key_norm`` (float ``[R, N]``, ``NaN`` where not written this step).
         """
 
     def score_batched(self, fields: BatchedFields, logical_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,8 @@ class VTokenWorkerCore:
                 st = core.step
                 if st is not None and attn_metadata is not None and kv_cache.numel() > 0:
                     st.accumulate(_impl, query, kv_cache, attn_metadata, core.layout_for(lyr, kv_cache),
-                                  layer_index=core.layer_index(kv_cache) if st.grans else None)
+                                  layer_index=core.layer_index(kv_cache) if st.grans or st.needs_keys else None,
+                                  key=key)
                 return res
 
             impl.forward = fwd
@@ -304,7 +305,7 @@ class VTokenWorkerCore:
         """
         res = st.result() if st is not None else {}
         # per-head sets (head, head_shared) are this rank's own KV heads: nothing to sum
-        local = {rid for rid, g in (st.grans if st is not None else {}).items() if g in ("head", "head_shared")}
+        local = {rid for rid, g in (getattr(st, "grans", None) or {}).items() if g in ("head", "head_shared")}
         order = [rid for _, rid, _ in (st.rows if st is not None else []) if rid in res and rid not in local]
         h = float(st.num_heads) if st is not None else 0.0
         parts = [np.array([h])]
@@ -329,7 +330,7 @@ class VTokenWorkerCore:
                     continue
                 got.append((flat[i:i + a.size] / total).numpy().reshape(a.shape))
                 i += a.size
-            out[rid] = (got[0], got[1])
+            out[rid] = tuple(got)
         if i != flat.numel():  # cannot happen when every rank packed the same layout
             raise RuntimeError(f"vToken: TP score reduction unpacked {i} of {flat.numel()} values")
         return out

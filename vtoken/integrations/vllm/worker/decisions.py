@@ -228,24 +228,29 @@ class WorkerDecisions:
         for g, rows, rids in self._by_group(scores).values():
             use_col = bool(g.policy.needs & AttentionNeed.COL_SUM)
             use_last = bool(g.policy.needs & AttentionNeed.LAST_ROW)
+            use_kn = bool(g.policy.needs & AttentionNeed.KEY_NORM)
             parts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
             for row, rid in zip(rows, rids):
                 parts[use_last and scores[rid][1] is not None].append((row, rid))
             for with_last, part in parts.items():
-                if not part or not (use_col or with_last):
+                if not part or not (use_col or with_last or use_kn):
                     continue
                 width = max(next(a for a in scores[rid] if a is not None).shape[-1] for _, rid in part)
                 lead = (g.dec.num_sets,) if g.dec.num_sets > 1 else ()
                 col = np.zeros((len(part), *lead, width)) if use_col else None
                 last = np.zeros((len(part), *lead, width)) if with_last else None
+                kn = np.full((len(part), *lead, width), np.nan) if use_kn else None
                 for i, (_, rid) in enumerate(part):
-                    c, lr = scores[rid]
+                    c, lr = scores[rid][:2]
                     if col is not None:
                         col[i, ..., : c.shape[-1]] = c
                     if last is not None:
                         last[i, ..., : lr.shape[-1]] = lr
+                    if kn is not None and len(scores[rid]) > 2 and scores[rid][2] is not None:
+                        kn[i, ..., : scores[rid][2].shape[-1]] = scores[rid][2]
                 dev = g.dec.live.device
                 prow = [row for row, _ in part]
                 g.dec.observe(torch.tensor(prow, device=dev), g.table(prow),
                               None if col is None else torch.from_numpy(col).to(dev),
-                              None if last is None else torch.from_numpy(last).to(dev))
+                              None if last is None else torch.from_numpy(last).to(dev),
+                              None if kn is None else torch.from_numpy(kn).to(dev))

@@ -138,20 +138,28 @@ class StepScores:
         self.num_heads = 0  #: query heads this rank scored per layer (``impl.num_heads``: Hq / TP)
         self._plan: Optional[dict[str, Any]] = None
         self._single_acc: Optional[torch.Tensor] = None  # float64 [R, max_n]
+        #: rows that need the norms of the keys they write (key-only policies)
+        self.needs_keys = any(need & AttentionNeed.KEY_NORM.value for _, _, need in rows)
+        self._key_norms: dict[int, torch.Tensor] = {}  # layer index -> float64 [num_tokens, Hkv]
 
     def _build(self, meta, kv_cache: torch.Tensor) -> dict[str, Any]:
         qsl = meta.query_start_loc
-        singles, multis = [], []
+        singles, multis, keyed = [], [], []
+        attn = AttentionNeed.COL_SUM.value | AttentionNeed.LAST_ROW.value
         for row, rid, need in self.rows:
             qs, qe = int(qsl[row]), int(qsl[row + 1])
             n = int(meta.seq_lens[row])
             if qe <= qs or n <= 0:
                 continue
+            if need & AttentionNeed.KEY_NORM.value:
+                keyed.append((rid, n, qs, qe))
+            if not need & attn:
+                continue
             if qe - qs == 1 or not need & AttentionNeed.COL_SUM.value:
                 singles.append((row, rid, need, n, qe - 1))
             else:
                 multis.append((row, rid, need, n, qs, qe))
-        plan: dict[str, Any] = dict(singles=singles, multis=multis)
+        plan: dict[str, Any] = dict(singles=singles, multis=multis, keyed=keyed)
         if singles:
             bs = kv_cache.shape[2]
             max_n = max(x[3] for x in singles)
@@ -164,7 +172,7 @@ class StepScores:
         return plan
 
     def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: KVLayout,
-                   layer_index: Optional[int] = None) -> None:
+                   layer_index: Optional[int] = None, key: Optional[torch.Tensor] = None) -> None:
         """Fold one layer's probabilities in (called by the attention wrapper, every layer).
 
         Args:
@@ -173,7 +181,10 @@ class StepScores:
             kv_cache: the layer's KV cache.
             meta: the backend's attention metadata (physical ``seq_lens`` and slots).
             layout: the backend's :class:`KVLayout` for this layer.
-            layer_index: the layer's index (its token sets; needed when any row has ``grans``).
+            layer_index: the layer's index (its token sets; needed when any row has ``grans`` or
+                needs key norms).
+            key: ``[num_tokens, num_kv_heads * head_size]``, the keys the layer writes in this
+                step (post-RoPE), for rows that need ``AttentionNeed.KEY_NORM``.
         """
         if self._plan is None:
             self._plan = self._build(meta, kv_cache)
@@ -185,6 +196,9 @@ class StepScores:
                              "the tensor-parallel mean needs one head count per rank")
         self.num_heads = Hq
         q_all = query.view(-1, Hq, hd)
+        if self.needs_keys and key is not None:
+            # one norm per written key and KV head, for every token of the batch at once
+            self._key_norms[layer_index] = key.reshape(key.shape[0], Hkv, hd).to(torch.float64).norm(dim=-1)
         if plan["singles"]:
             k = layout.gather_keys_batched(kv_cache, plan["blocks"], plan["offsets"])  # [R, Hkv, max_n, hd]
             R = k.shape[0]
@@ -215,8 +229,10 @@ class StepScores:
             if r is not None:
                 self.last[rid] = r if rid not in self.last else self.last[rid] + r
 
-    def result(self) -> dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]:
-        """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked)."""
+    def result(self) -> dict[str, tuple[Optional[np.ndarray], ...]]:
+        """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked);
+        rows that need key norms get a third entry, ``key_norm`` (``NaN`` outside the slots the
+        step wrote); rows with several token sets ``[S, num_live]`` each."""
         L = max(self.num_layers, 1)
         out = {}
         if self._plan is not None and self._single_acc is not None:
@@ -232,6 +248,18 @@ class StepScores:
         for rid, layers in self._sets.items():
             out[rid] = tuple(self._reduce_sets(self.grans[rid], [layers[i][j] for i in sorted(layers)])
                              for j in (0, 1))
+        if self._plan is not None and self._key_norms:
+            layers = [self._key_norms[i] for i in sorted(self._key_norms)]
+            for rid, n, qs, qe in self._plan["keyed"]:
+                # [L, Hkv, ql] -> the sets' means (request: over every layer and head)
+                per = [x[qs:qe].T for x in layers]
+                gran = self.grans.get(rid, "request")
+                kn = (torch.stack(per).mean(dim=(0, 1)).numpy()[None] if gran == "request"
+                      else self._reduce_sets(gran, per))
+                row = np.full((kn.shape[0], n), np.nan)
+                row[:, n - (qe - qs):] = kn
+                col, last = out.get(rid, (None, None))[:2]
+                out[rid] = (col, last, row[0] if gran == "request" else row)
         return out
 
     @staticmethod

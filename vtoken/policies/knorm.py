@@ -1,0 +1,78 @@
+"""K-norm: keep the keys with the smallest L2 norm (Devoto et al., arXiv 2406.11430)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import numpy as np
+import torch
+
+from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
+
+__all__ = ["KNormPolicy"]
+
+
+@dataclass
+class KNormPolicy(EvictionPolicy):
+    """K-norm, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
+    (Devoto et al., EMNLP 2024, arXiv 2406.11430, Sec. 3-4).
+
+    Idea: in trained decoders a key's L2 norm is inversely correlated with the attention it
+    receives, so the keys with the **lowest** norm are the ones to keep. The score needs no
+    attention weights: only the key, at the time it is written.
+
+    Score: ``-norm``, the L2 norm of the token's key (``stats.key_norm``), recorded once, in the
+    step that writes the key, and kept with the token. RoPE is a rotation, so the norm of the
+    cached (rotated) key is that of the raw key. With several (layer, KV head) pairs in a token
+    set the norm is their mean (``docs/granularity.md``).
+
+    Defaults: ``granularity = head`` (the paper compresses each head's cache by its own norms;
+    ``decide_on: worker`` only), no protections (``sink_tokens = 0``, ``recent_tokens = 0``;
+    the paper ranks every token by its norm: the first tokens, whose keys have small norms,
+    survive by that rule), ``slack = 0``.
+
+    Needs: ``AttentionNeed.KEY_NORM``: the norms of the keys written in each step, computed on
+    the worker from the keys the attention layer receives (no pass over the KV cache). Runs
+    only under ``decide_on: worker`` (the config refuses it on the scheduler path).
+
+    Departures from the paper:
+
+    * Every layer is compressed, including the first ones, which the paper leaves uncompressed
+      in its main experiments (their norms predict attention less well).
+    * With ``granularity`` other than ``head`` a set ranks the mean norm of its heads.
+    * Ties go to the smaller logical position (evicted first).
+    """
+
+    name: ClassVar[str] = "knorm"
+    needs: ClassVar[AttentionNeed] = AttentionNeed.KEY_NORM
+
+    @classmethod
+    def default_granularity(cls) -> str:
+        return "head"
+
+    def state_specs(self):
+        return {"norm": ((), np.dtype(np.float64))}
+
+    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
+        if stats.key_norm is None:
+            return
+        row = np.asarray(stats.key_norm, dtype=np.float64)
+        if row.shape != (num_live,):
+            raise ValueError(f"knorm: key_norm has shape {row.shape}; expected ({num_live},)")
+        state.ensure_capacity(num_live)
+        norm = state["norm"][:num_live]
+        written = ~np.isnan(row)  # NaN: not written in this step
+        norm[written] = row[written]
+
+    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
+        return -state["norm"][: view.num_live]
+
+    def observe_batched(self, fields: BatchedFields, live, col_sum, last_row,
+                        key_norm: Optional[torch.Tensor] = None, **_) -> None:
+        if key_norm is not None:
+            kn = key_norm.to(torch.float64)
+            fields["norm"].copy_(torch.where(torch.isnan(kn), fields["norm"], kn))
+
+    def score_batched(self, fields: BatchedFields, logical_pos, live) -> torch.Tensor:
+        return -fields["norm"]
