@@ -10,7 +10,29 @@ import torch
 
 from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
 
-__all__ = ["KNormPolicy"]
+__all__ = ["KNormPolicy", "NORM_BITS", "round_norm"]
+
+#: significant bits a key norm keeps (:func:`round_norm`)
+NORM_BITS = 12
+
+
+def round_norm(x):
+    """Round norms (numpy or torch, float64) to :data:`NORM_BITS` significant bits; ``NaN`` stays.
+
+    Keys that are equal before RoPE (a repeated token's key in the first layer, which sees no
+    context yet) have equal norms in exact arithmetic, but the rotation rounds differently at
+    each position, and differently in every RoPE implementation (vLLM's and transformers'), so
+    their float norms differ in the last bits and the order of such a tie would depend on
+    rounding noise. Rounded to 12 significant bits (relative spacing 2.4e-4, far above the
+    rotation's 1e-7 noise and far below any difference that matters to the policy) they tie
+    exactly, and the tie goes to the older token, as for every policy.
+    """
+    scale = float(1 << NORM_BITS)
+    if isinstance(x, torch.Tensor):
+        m, e = torch.frexp(x)
+        return torch.ldexp(torch.round(m * scale) / scale, e.to(x.dtype))
+    m, e = np.frexp(x)
+    return np.ldexp(np.round(m * scale) / scale, e)
 
 
 @dataclass
@@ -23,7 +45,8 @@ class KNormPolicy(EvictionPolicy):
     attention weights: only the key, at the time it is written.
 
     Score: ``-norm``, the L2 norm of the token's key (``stats.key_norm``), recorded once, in the
-    step that writes the key, and kept with the token. RoPE is a rotation, so the norm of the
+    step that writes the key, rounded to 12 significant bits (:func:`round_norm`: equal keys
+    tie exactly whatever RoPE's rounding), and kept with the token. RoPE is a rotation, so the norm of the
     cached (rotated) key is that of the raw key. With several (layer, KV head) pairs in a token
     set the norm is their mean (``docs/granularity.md``).
 
@@ -63,7 +86,7 @@ class KNormPolicy(EvictionPolicy):
         state.ensure_capacity(num_live)
         norm = state["norm"][:num_live]
         written = ~np.isnan(row)  # NaN: not written in this step
-        norm[written] = row[written]
+        norm[written] = round_norm(row[written])
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return -state["norm"][: view.num_live]
@@ -72,7 +95,7 @@ class KNormPolicy(EvictionPolicy):
                         key_norm: Optional[torch.Tensor] = None, **_) -> None:
         if key_norm is not None:
             kn = key_norm.to(torch.float64)
-            fields["norm"].copy_(torch.where(torch.isnan(kn), fields["norm"], kn))
+            fields["norm"].copy_(torch.where(torch.isnan(kn), fields["norm"], round_norm(kn)))
 
     def score_batched(self, fields: BatchedFields, logical_pos, live) -> torch.Tensor:
         return -fields["norm"]
