@@ -138,8 +138,8 @@ def test_vtoken_config_command_prints_every_key():
 def test_policy_classes_are_the_registered_ones():
     from vtoken.policies import get_policy_class
 
-    rows = re.findall(r"^\| `(\w+)` \| `(vtoken\.policies\.[\w.]+)` \|$", _config_doc(), re.M)
-    assert len(rows) == 5
+    rows = re.findall(r"^\| `(\w+)` \| `(vtoken\.policies\.[\w.]+)`(?: \([^|]*\))? \|$", _config_doc(), re.M)
+    assert len(rows) == 6
     for name, path in rows:
         cls = get_policy_class(name)
         assert f"{cls.__module__}.{cls.__qualname__}" == path, name
@@ -736,3 +736,21 @@ def test_benchmarks_readme_scheduler_host_time_matches_result():
     assert sched and all(ratio[(r, L, "h2o-worker")] > 1.2 for r, L, _ in ratio)  # the text says: short of 1.2x
     la = f"load average {d['load_average_before'][0]:.2f} before and {d['load_average_after'][0]:.2f}"
     assert la in " ".join(text.split())
+
+
+@pytest.mark.parametrize("name, result", [("granularity_cost_table", "granularity_cost.json")])
+def test_benchmarks_readme_granularity_tables_match_results(name, result):
+    """Issue 23's tables in benchmarks/README.md equal their result files, and the load averages
+    quoted above the cost table are the run's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    text = BENCH_DOC.read_text()
+    assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
+    meta = json.loads((RESULTS / result).read_text())["meta"]
+    if "load_average_before" in meta:
+        la = (f"load average {meta['load_average_before'][0]:.2f} before, "
+              f"{meta['load_average_after'][0]:.2f} after")
+        assert la in " ".join(text.split()), la
