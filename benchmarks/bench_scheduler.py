@@ -21,9 +21,10 @@ asks for ``col_sum`` only). The arrays are drawn *between* ``schedule()`` and
 ``update_from_output()``, outside both timers: their generation is not timed. Under
 ``decide_on: worker`` the scheduler never receives statistics (``score_steps`` stays empty, so
 no ``vtoken_scores`` are sent): it computes from counts only how many tokens ``k`` each request
-evicts (``vtoken.protocol``: a ``CountTable`` per request, ``evictable``), frees the tail
-blocks, and sends ``payload.evict = {req_id: k}`` (plus ``payload.states`` for new requests);
-the worker picks the victims.
+evicts (``vtoken.protocol.evictable``; the per-request counts are rows of one numpy array,
+``vtoken/integrations/vllm/sched/counts.py``), frees the tail blocks, and sends
+``payload.evict = {req_id: k}`` (plus ``payload.states`` for new requests); the worker picks the
+victims.
 
 A cell is (running requests R, live tokens L): R requests with prompts of ``2 L`` tokens,
 ``max_tokens`` enough to outlast the run, ``ignore_eos``; vToken budget ``L`` with slack 0, so after
@@ -154,10 +155,11 @@ def _tiny_model() -> str:
 
 
 def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: int, budget: int,
-                   chunk: int, block_size: int = BLOCK_SIZE, model: Optional[str] = None):
+                   chunk: int, block_size: int = BLOCK_SIZE, model: Optional[str] = None, slack: int = 0,
+                   num_blocks: Optional[int] = None):
     """A V1 ``Scheduler`` (``arm == "stock"``) or ``VTokenScheduler`` (``arm`` = a vToken policy,
     or ``<policy>-worker`` for that policy with ``decide_on: worker``), with a pool that holds
-    every request's whole context (nothing is preempted)."""
+    every request's whole context (nothing is preempted) unless ``num_blocks`` says otherwise."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -178,11 +180,11 @@ def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: 
     policy, where = arm_policy(arm)
     extra = {}
     if policy is not None:
-        extra = {"vtoken": {"policy": policy, "budget": budget, "slack": 0}}
+        extra = {"vtoken": {"policy": policy, "budget": budget, "slack": slack}}
         if where == "worker":
             extra["vtoken"]["decide_on"] = "worker"
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, additional_config=extra)
-    num_blocks = num_requests * cdiv(max_model_len, block_size) + 16
+    num_blocks = num_blocks or num_requests * cdiv(max_model_len, block_size) + 16
     vc.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling
     kcc = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
@@ -213,7 +215,7 @@ def make_requests(num_requests: int, prompt_len: int, max_tokens: int, seed: int
 
 def _live_tokens(sched, rid: str) -> int:
     """vToken's live-token count of ``rid`` right after ``schedule()`` (untimed helper); under
-    ``decide_on: worker`` the scheduler's ``CountTable`` keeps the same count."""
+    ``decide_on: worker`` the state's table reads the same count from its row."""
     st = getattr(sched, "_vt_states", {}).get(rid)
     if st is not None:
         return int(st.table.num_live)

@@ -7,7 +7,10 @@ blocks == the pool, that each scheduled request holds exactly the blocks the acc
 says, and, with prefix caching, that a request that may evict holds only private, unhashed
 blocks past its protected prefix, keeps that prefix at its own slots, and that every block a repack
 move writes is held by the request that planned it alone, unhashed (a move of a request
-preempted in the same ``schedule()`` is dropped from the payload). ``VTOKEN_TRACE=<path>``: one JSON line per step
+preempted in the same ``schedule()`` is dropped from the payload). It also checks the figures the
+hot paths keep on the side: the KV manager's delta per request (``BlockAccounting.deltas``) and,
+under ``decide_on: worker``, each request row's blocks held and derived columns
+(``sched/counts.py``). ``VTOKEN_TRACE=<path>``: one JSON line per step
 (:func:`trace_record`).
 """
 
@@ -18,6 +21,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from vtoken.integrations.vllm.sched.accounting import BlockAccounting
+from vtoken.integrations.vllm.sched.counts import (ASK_EVERY, CAP_OVER, HELD, NAIVE_BLOCKS, THRESHOLD, CountState,
+                                                   derived)
 from vtoken.integrations.vllm.sched.state import RequestState
 
 __all__ = ["check_invariants", "trace_record"]
@@ -64,6 +69,21 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
     bs = accounting.block_size
     for rid, st in states.items():
         st.table.check_invariants()
+        d = accounting.deltas.get(rid)
+        assert d == accounting.expected_delta_entry(st), (
+            f"{rid}: the KV manager's delta entry is {d}, expected {accounting.expected_delta_entry(st)} "
+            f"(mode={st.cfg.mode}, live={st.table.num_live}, logical={st.table.num_logical})")
+        if isinstance(st, CountState):  # decide_on: worker: the row's derived columns
+            row = st._cols.data[:, st.row]
+            held = len(req_to_blocks.get(rid, ()))
+            assert row[HELD] == held, f"{rid}: its row says it holds {row[HELD]} blocks, it holds {held}"
+            assert not st.resuming, f"{rid}: resuming under decide_on: worker (its state should have been dropped)"
+            assert row[NAIVE_BLOCKS] == st.naive.num_retained_blocks, (
+                f"{rid}: its row's Naive-Evict blocks {row[NAIVE_BLOCKS]} != {st.naive.num_retained_blocks}")
+            want = derived(row)
+            assert tuple(row[[THRESHOLD, CAP_OVER, ASK_EVERY]].tolist()) == want, (
+                f"{rid}: its row's (threshold, cap_over, ask_every) are {row[[THRESHOLD, CAP_OVER, ASK_EVERY]].tolist()}, "
+                f"expected {want}")
         P = st.protected
         assert P % bs == 0 and P <= st.table.num_live, f"{rid}: protected prefix {P} (live {st.table.num_live})"
         if P and hasattr(st.table, "logical_pos"):  # decide_on: worker: the table is counts only

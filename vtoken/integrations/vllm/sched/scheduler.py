@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import time
+from itertools import repeat
 from typing import Any, Optional
 
 import numpy as np
@@ -55,13 +56,15 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vtoken.config import VTokenConfig, VTokenConfigError, effective_budget, num_to_evict, parse_config, parse_request_overrides
 from vtoken.integrations.vllm.sched.accounting import BlockAccounting, VTokenFullAttentionManager
 from vtoken.integrations.vllm.sched.checks import check_invariants, trace_record
+from vtoken.integrations.vllm.sched import counts as C
+from vtoken.integrations.vllm.sched.counts import CountColumns, CountState
 from vtoken.integrations.vllm.sched.metrics import VTokenMetrics
 from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.sched.state import RequestState, VTokenStats, cdiv
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
 from vtoken.repack import NaiveEvictCounter
 from vtoken.pacing import Candidate, plan_pressure_evictions
-from vtoken.protocol import CountTable, evictable
+from vtoken.protocol import evictable
 from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_stats
 from vtoken.token_table import TokenTable
 
@@ -73,6 +76,14 @@ __all__ = ["VTokenScheduler", "VTokenAsyncScheduler", "VTokenSchedulerMixin", "V
 #: request-steps between a scored step and the first eviction decision that uses its statistics
 SCORE_LAG_SYNC = 0
 SCORE_LAG_ASYNC = 1  # vLLM's batch queue of 2: when step M is scheduled, steps <= M-2 are processed
+
+
+def _as_slice(rows: np.ndarray) -> Optional[slice]:
+    """``rows`` as a slice when they are consecutive ascending rows (all >= 0), else None."""
+    n = len(rows)
+    if n == 0 or rows[0] < 0 or rows[n - 1] - rows[0] != n - 1 or (n > 1 and not (np.diff(rows) == 1).all()):
+        return None
+    return slice(int(rows[0]), int(rows[0]) + n)
 
 
 class VTokenSchedulerMixin:
@@ -92,7 +103,7 @@ class VTokenSchedulerMixin:
         mgr = mgrs[0]
         mgr.__class__ = VTokenFullAttentionManager
         self._vt_accounting = BlockAccounting(self._vt_states, mgr.block_size)
-        mgr._vt_accounting = self._vt_accounting
+        mgr.vt_attach(self._vt_accounting)
         self._vt_mgr = mgr
         self._vt_bs: int = mgr.block_size
         #: vLLM prefix caching on (the user's choice; vToken keeps it): see _vt_prefix_rule
@@ -109,6 +120,13 @@ class VTokenSchedulerMixin:
         self._vt_offset_updates: dict[str, int] = {}
         #: decide_on: worker: states made in this schedule() (announced to the worker on the payload)
         self._vt_new_states: dict[str, RequestState] = {}
+        #: decide_on: worker: the states' per-request integers (sched/counts.py) and each state's row
+        self._vt_cols = CountColumns()
+        self._vt_rows: dict[str, int] = {}
+        #: bumped whenever _vt_rows changes (the per-step row look-ups are cached against it)
+        self._vt_rows_version = 0
+        self._vt_rows_cache: dict[str, tuple] = {}
+        self._vt_run_cache: Optional[tuple] = None
         self._vt_policy_cache: dict[tuple, EvictionPolicy] = {}
         self.vt_stats = VTokenStats()
         self._vt_metrics = VTokenMetrics.from_vllm_config(self.vllm_config)
@@ -195,12 +213,13 @@ class VTokenSchedulerMixin:
         prompt_len = request.num_prompt_tokens
         budget = effective_budget(cfg, prompt_len)
         pol = self._vt_policy(cfg, budget)
-        st = RequestState(
-            cfg=cfg, budget=budget, slack=cfg.resolved_slack(), policy=pol, pstate=pol.init_state(),
-            table=CountTable(self._vt_bs) if self._vt_worker else TokenTable(self._vt_bs),
-            naive=NaiveEvictCounter(self._vt_bs), prompt_len=prompt_len,
-            lag=ScoreLagQueue(self._vt_lag), first_evict=first_evicting_decode_step(pol.needs, self._vt_lag),
-        )
+        args = dict(cfg=cfg, budget=budget, slack=cfg.resolved_slack(), policy=pol, pstate=pol.init_state(),
+                    naive=NaiveEvictCounter(self._vt_bs), prompt_len=prompt_len, lag=ScoreLagQueue(self._vt_lag),
+                    first_evict=first_evicting_decode_step(pol.needs, self._vt_lag))
+        if self._vt_worker:  # the counts and per-step fields in a row of self._vt_cols
+            st = CountState(**args, cols=self._vt_cols, block_size=self._vt_bs)
+        else:
+            st = RequestState(**args, table=TokenTable(self._vt_bs))
         st.may_evict = self._vt_may_evict(cfg, request)
         st.score_need = pol.needs.value
         st.score_every = cfg.score_every
@@ -218,7 +237,11 @@ class VTokenSchedulerMixin:
             st.protected = max(self._vt_prompt_protected(cfg, request), hit // bs * bs)
         st.floor = max(pol.sink_tokens, st.protected)
         self._vt_states[rid] = st
+        self._vt_accounting.track(rid, st)
         if self._vt_worker:
+            self._vt_cols.data[C.NAIVE_BLOCKS, st.row] = st.naive.num_retained_blocks  # (for the gauges)
+            self._vt_rows[rid] = st.row
+            self._vt_rows_version += 1
             self._vt_new_states[rid] = st
         return st
 
@@ -361,9 +384,17 @@ class VTokenSchedulerMixin:
         Per running request past its prefill: ``k`` from fixed pacing (or the pressure plan), the
         count-only eviction (:meth:`_vt_evict_count`); then the stock ``schedule()``; then per
         scheduled request the count of its new tokens, whether it scores, and its lifetime block
-        figures (``_vt_after_scheduled`` in counts, inline: no refill, since a preempted request
+        figures (``_vt_after_scheduled`` in counts: no refill, since a preempted request
         restarts, and no Naive-Evict figures, since the worker keeps the positions). Nothing here
         touches a token.
+
+        The per-request integers live in one numpy array, a row per request
+        (``sched/counts.py``): fixed pacing's eviction (:meth:`_vt_evict_fixed_counts`) and the
+        bookkeeping after the stock ``schedule()`` (:meth:`_vt_after_scheduled_counts`) are a few
+        array operations over all rows, plus one pass over the request ids to build the
+        payload's dicts; Python per request only where one needs it (a state made, a prefill
+        ending, a tail of blocks freed, an eviction log run ending). Pressure pacing goes through
+        the states one by one.
         """
         payload = StepPayload()
         t0 = time.perf_counter()
@@ -381,64 +412,20 @@ class VTokenSchedulerMixin:
             for _, req, st in eligible:
                 k = plan.get(req.request_id, 0)
                 if k > 0:
-                    st.evict_log.append((st.decode_steps + 1, k))
+                    st.log_eviction(st.decode_steps + 1, k)
                     try:
                         self._vt_evict_count(req.request_id, st, k, payload)
                     except Exception as e:  # noqa: BLE001 - confined to this request
                         self._vt_fault(req.request_id, st, e)
         else:
-            for req in self.running:
-                rid = req.request_id
-                st = states.get(rid)
-                if st is None or not st.decoding or not st.may_evict or st.faulted:
-                    continue
-                live = st.table.num_live
-                if live <= st.budget + st.slack or (is_async and self._vt_done_in_flight(req)):
-                    continue
-                k = live - st.budget
-                st.evict_log.append((st.decode_steps + 1, k))
-                try:
-                    self._vt_evict_count(rid, st, k, payload)
-                except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
-                    self._vt_fault(rid, st, e)
+            self._vt_evict_fixed_counts(payload, is_async)
         self.vt_stats.repack_seconds += time.perf_counter() - t0
 
         out = super().schedule(*args, **kwargs)
 
-        self._vt_collect_counts(payload)
-        requests = self.requests
-        req_to_blocks = self._vt_mgr.req_to_blocks
-        scores = payload.scores
-        bs = self._vt_bs
-        for rid, n in out.num_scheduled_tokens.items():
-            # _vt_after_scheduled in counts, inline (it runs for every scheduled request)
-            st = states.get(rid)
-            req = requests.get(rid)
-            if st is None:
-                st = self._vt_state(req, n) if req is not None and n > 0 else None
-                if st is None:
-                    continue
-            table = st.table
-            table.num_live += n
-            table.num_logical += n
-            if st.decoding:
-                st.decode_steps += 1
-                if st.score_need and st.may_evict and not st.faulted and st.decode_steps % st.score_every == 0:
-                    scores[rid] = st.score_need
-            else:
-                if st.score_need and st.may_evict and not st.faulted:
-                    scores[rid] = st.score_need
-                # every token has KV once this step ran: the step samples, the prefill is done
-                st.decoding = req.num_computed_tokens >= req.num_tokens
-            held = len(req_to_blocks.get(rid, ()))
-            full_b = -(-table.num_logical // bs)
-            st.steps += 1
-            st.held_block_steps += held
-            if held > st.peak_blocks:
-                st.peak_blocks = held
-            st.full_block_steps += full_b
-            if full_b > st.full_peak_blocks:
-                st.full_peak_blocks = full_b
+        if self._vt_preempted_now:
+            self._vt_collect_counts(payload)
+        self._vt_after_scheduled_counts(out.num_scheduled_tokens, payload)
         self._vt_finish_payload(payload)
         out.vtoken = None if payload.is_empty() else payload
         now = time.monotonic()
@@ -455,6 +442,202 @@ class VTokenSchedulerMixin:
                                out.num_scheduled_tokens, self._vt_mgr.req_to_blocks, states, self._vt_accounting)
             self._vt_trace.write(json.dumps(rec) + "\n")
         return out
+
+    def _vt_rows_of(self, rids: list, cache: str) -> tuple[np.ndarray, Optional[slice]]:
+        """``self._vt_rows`` of each of ``rids`` (-1: no state), and the same as a slice when they
+        are consecutive rows (then ``data[:, slice]`` is a view); remembered per ``cache`` slot
+        while the id list (element by element the same objects) and the rows stay the same, as
+        they do from one decode step to the next."""
+        hit = self._vt_rows_cache.get(cache)
+        if hit is not None and hit[1] == self._vt_rows_version and hit[0] == rids:
+            return hit[2], hit[3]
+        rows = np.fromiter(map(self._vt_rows.get, rids, repeat(-1)), dtype=np.int64, count=len(rids))
+        rows.setflags(write=False)
+        sl = _as_slice(rows)
+        self._vt_rows_cache[cache] = (rids, self._vt_rows_version, rows, sl)
+        return rows, sl
+
+    def _vt_after_scheduled_counts(self, scheduled: dict[str, int], payload: StepPayload) -> None:
+        """``decide_on: worker``, after the stock ``schedule()``: ``_vt_after_scheduled`` in counts
+        for every scheduled request at once (numpy over the rows of ``self._vt_cols``): make the
+        states of requests scheduled for the first time (in the scheduled order), append the
+        step's tokens, count decode steps, ask for this step's statistics (``payload.scores``, in
+        the scheduled order), detect the end of the prefill (Python, per prefilling request), and
+        add the lifetime block figures (blocks held, ``cdiv(logical, B)``). No refill (a preempted
+        request restarts) and no Naive-Evict figures (the worker keeps the positions)."""
+        if not scheduled:
+            return
+        keys = list(scheduled)
+        rows, sl = self._vt_rows_of(keys, "scheduled")
+        n = np.fromiter(scheduled.values(), dtype=np.int64, count=len(keys))
+        if sl is None and np.count_nonzero(rows < 0):
+            requests = self.requests
+            rows = rows.copy()
+            for i in np.flatnonzero(rows < 0).tolist():
+                rid = keys[i]
+                req = requests.get(rid)
+                st = self._vt_state(req, int(n[i])) if req is not None and n[i] > 0 else None
+                if st is not None:
+                    rows[i] = st.row
+            sel = np.flatnonzero(rows >= 0)
+            if len(sel) < len(keys):
+                if not len(sel):
+                    return
+                keys = [keys[i] for i in sel.tolist()]
+                rows, n = rows[sel], n[sel]
+            sl = _as_slice(rows)
+        data = self._vt_cols.data  # (after any state was made: it may have grown)
+        m = data[:, sl] if sl is not None else data[:, rows]  # a view, or a copy written back below
+        m[C.LIVE] += n
+        logical = m[C.LOGICAL]
+        logical += n
+        flags = m[C.FLAGS]
+        decoding = flags & C.DECODING  # 0 / 1
+        decode_steps = m[C.DECODE_STEPS]
+        decode_steps += decoding
+        all_decoding = np.count_nonzero(decoding) == len(decoding)
+        every = m[C.ASK_EVERY]  # > 0: its policy needs statistics, it may evict, no fault (counts.derived)
+        if all_decoding and not np.count_nonzero(every != 1):  # every step asks, as in steady decoding
+            ask = None
+        else:  # a decode step d asks when d % every == 0, a prefill chunk always
+            ask = every > 0
+            if np.count_nonzero(ask):
+                ask &= (decoding == 0) | (decode_steps % np.maximum(every, 1) == 0)
+        if ask is None or np.count_nonzero(ask):
+            need = m[C.SCORE_NEED]
+            if ask is None and not np.count_nonzero(need != need[0]):  # (one policy's needs for all: one C call)
+                payload.scores.update(dict.fromkeys(scheduled if len(keys) == len(scheduled) else keys,
+                                                    int(need[0])))
+            else:
+                if ask is None:
+                    ask = np.ones(len(keys), dtype=bool)
+                payload.scores.update(zip([keys[i] for i in np.flatnonzero(ask).tolist()], need[ask].tolist()))
+        if not all_decoding:
+            # every token has KV once this step ran: the step samples, the prefill is done
+            requests = self.requests
+            for i in np.flatnonzero(decoding == 0).tolist():
+                req = requests[keys[i]]
+                if req.num_computed_tokens >= req.num_tokens:
+                    flags[i] |= C.DECODING
+            m[C.THRESHOLD] = C.threshold(m[C.BUDGET], m[C.SLACK], flags)
+        held = np.fromiter(map(len, map(self._vt_mgr.req_to_blocks.get, keys, repeat(()))), dtype=np.int64,
+                           count=len(keys))
+        m[C.HELD] = held
+        full = logical + (self._vt_bs - 1)
+        full //= self._vt_bs
+        m[C.STEPS] += 1
+        m[C.HELD_BLOCK_STEPS] += held
+        np.maximum(m[C.PEAK_BLOCKS], held, out=m[C.PEAK_BLOCKS])
+        m[C.FULL_BLOCK_STEPS] += full
+        np.maximum(m[C.FULL_PEAK_BLOCKS], full, out=m[C.FULL_PEAK_BLOCKS])
+        if sl is None:
+            data[:, rows] = m
+
+    def _vt_evict_fixed_counts(self, payload: StepPayload, is_async: bool) -> None:
+        """``decide_on: worker``, fixed pacing: every running request past its prefill whose live
+        count exceeds ``budget + slack`` evicts ``live - budget`` tokens, capped as
+        :meth:`_vt_evict_count` caps them.
+
+        :meth:`_vt_evict_count` for all of them at once, over the rows of ``self._vt_cols``
+        (``sched/counts.py``): numpy over the rows; Python only per request whose tail blocks go
+        back to the pool, in the running order, as one request at a time would free them. The
+        payload's dicts get the requests in the running order.
+        """
+        running = self.running
+        if not running:
+            return
+        cache = self._vt_run_cache
+        if cache is not None and cache[0] == self._vt_rows_version and cache[1] == running:
+            rids, pos, r, sl = cache[2:]
+        else:  # the running list or the states changed
+            rids = [req.request_id for req in running]
+            rows, _ = self._vt_rows_of(rids, "running")
+            pos = np.flatnonzero(rows >= 0)  # running index of each request with a state
+            r = rows[pos]
+            sl = _as_slice(r)
+            self._vt_run_cache = (self._vt_rows_version, list(running), rids, pos, r, sl)
+        if not len(r):
+            return
+        data = self._vt_cols.data
+        m = data[:, sl] if sl is not None else data[:, r]  # a view, or a copy written back below
+        view = sl is not None
+        live = m[C.LIVE]
+        ev = live > m[C.THRESHOLD]  # budget + slack, for a request that decodes, may evict, no fault
+        if is_async and np.count_nonzero(ev):  # async: its last token is in flight; it will not be scheduled again
+            for i in np.flatnonzero(ev).tolist():
+                if self._vt_done_in_flight(running[int(pos[i])]):
+                    ev[i] = False
+        nev = np.count_nonzero(ev)
+        if nev < len(ev):
+            if not nev:
+                return
+            pos, r, m, view = pos[ev], r[ev], m[:, ev], False
+            live = m[C.LIVE]
+        k = live - m[C.BUDGET]
+        self._vt_cols.log_evictions(r, m, m[C.DECODE_STEPS], k)  # evict_log: the count asked, before the cap
+        if np.count_nonzero(m[C.CAP_OVER] > 0):  # (else no protection can cap k: counts.derived)
+            # evictable(live, logical, 0, recent, floor): positions below the floor are all live,
+            # so min(floor, logical, live) == min(floor, live)
+            floor = m[C.FLOOR]
+            np.minimum(k, np.where(floor < live, live - floor, 0) - m[C.RECENT], out=k)
+            ok = k > 0
+            nok = np.count_nonzero(ok)
+            if nok < len(ok):
+                if not view:  # the requests asked for more than they can give still log the count they asked
+                    data[:, r[~ok]] = m[:, ~ok]
+                if not nok:
+                    return
+                pos, r, m, k, view = pos[ok], r[ok], m[:, ok], k[ok], False
+                live = m[C.LIVE]
+        live -= k
+        off = m[C.LOGICAL] - live
+        floor = m[C.FLOOR]
+        clean = m[C.CLEAN_LEN]  # -1: None
+        upd = clean.view(np.uint64) > floor.view(np.uint64)  # None (-1: 2**64 - 1) or above the floor (>= 0)
+        if np.count_nonzero(upd):
+            fu = floor[upd]
+            clean[upd] = np.minimum(m[C.LOGICAL, upd], fu)
+            m[C.MIN_DST_SLOT, upd] = np.minimum(m[C.MIN_DST_SLOT, upd], fu)
+        m[C.EVICTED] += k  # (undone below for a request whose eviction faults)
+        # tail blocks past cdiv(live + 1, B) go back to the pool
+        free = m[C.HELD] > (live + self._vt_bs) // self._vt_bs
+        if not view:
+            data[:, r] = m
+        ev_rids = rids if len(pos) == len(rids) else [rids[i] for i in pos.tolist()]
+        offsets = dict(zip(ev_rids, off.tolist()))
+        if self.vt_cfg.mode == "vtoken":  # BlockAccounting.set_offset (mode is engine-wide; off > 0)
+            self._vt_accounting.deltas.update(offsets)
+        else:
+            for rid in ev_rids:
+                self._vt_accounting.set_offset(rid, self._vt_states[rid])
+        uniform = not np.count_nonzero(k != k[0])
+        if uniform:  # (the same count for all, as in steady decoding: one C call)
+            payload.evict.update(dict.fromkeys(offsets, int(k[0])))
+        else:
+            payload.evict.update(zip(ev_rids, k.tolist()))
+        freed = 0
+        if np.count_nonzero(free):
+            done = None  # the requests whose eviction completed (a fault stops one here)
+            states = self._vt_states
+            for i in np.flatnonzero(free).tolist():
+                rid = ev_rids[i]
+                st = states[rid]
+                try:
+                    freed += self._vt_free_tail(rid, st, payload)
+                except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
+                    self._vt_fault(rid, st, e)
+                    data[C.EVICTED, r[i]] -= k[i]
+                    del offsets[rid]
+                    if done is None:
+                        done = np.ones(len(ev_rids), dtype=bool)
+                    done[i] = False
+            if done is not None:
+                k, uniform = k[done], False
+        self._vt_offset_updates.update(offsets)
+        stats = self.vt_stats
+        stats.evicted_tokens += int(k[0]) * len(k) if uniform else int(np.add.reduce(k))
+        stats.freed_blocks += freed
+        stats.evictions += len(offsets)
 
     def _vt_collect_moves(self, payload: StepPayload, srcs: list[np.ndarray], dsts: list[np.ndarray],
                           move_by: list[tuple[str, RequestState, int]]) -> None:
@@ -486,6 +669,8 @@ class VTokenSchedulerMixin:
         keep = self._vt_accounting.target_blocks(st, upcoming=1)
         tail = self._vt_mgr.vt_free_tail(rid, keep)
         if tail:
+            if self._vt_worker:  # the blocks it holds (sched/counts.py)
+                self._vt_cols.data[C.HELD, st.row] = keep
             if self._vt_check:
                 self._vt_freed_this_step.extend(b.block_id for b in tail)
             payload.truncate[rid] = keep
@@ -529,6 +714,7 @@ class VTokenSchedulerMixin:
         if k <= 0:
             return
         table.evict(k)
+        self._vt_accounting.set_offset(rid, st)
         live = table.num_live
         payload.evict[rid] = k
         if st.clean_len is None or st.clean_len > bound:
@@ -636,6 +822,7 @@ class VTokenSchedulerMixin:
         st.clean_len = min(table.num_logical if st.clean_len is None else st.clean_len, first_dead)
         blocks = self._vt_mgr.req_to_blocks[rid]
         plan = table.evict_slots(victims)
+        self._vt_accounting.set_offset(rid, st)
         st.naive.evict_positions(positions)
         st.pstate.apply_moves(plan.src, plan.dst)
         bs = self._vt_bs
@@ -690,6 +877,8 @@ class VTokenSchedulerMixin:
         if not self.has_requests():
             self._vt_update_gauges()
             self._vt_metrics.update(self.vt_stats)
+            self._vt_run_cache = None  # (it holds the last running requests)
+            self._vt_rows_cache.clear()
 
     # ------------------------------------------------------------------ free / preempt
     def _free_request_blocks(self, request):
@@ -706,12 +895,16 @@ class VTokenSchedulerMixin:
             return
         st = self._vt_states.pop(rid, None)
         if st is not None:
+            self._vt_accounting.forget(rid)
             if st.table.offset:
                 self._vt_offset_updates[rid] = 0
             if request.is_finished():
                 self._vt_record_finished(rid, st)
             else:
                 self.vt_stats.preemption_resets += 1
+            if self._vt_rows.pop(rid, None) is not None:
+                self._vt_rows_version += 1
+                st.detach()  # its figures stay readable; the row is reused
         if request.is_finished():
             self._vt_req_cfg.pop(rid, None)
             self._vt_accounting.cache_cap.pop(rid, None)
@@ -759,16 +952,29 @@ class VTokenSchedulerMixin:
     def _vt_update_gauges(self) -> None:
         s = self.vt_stats
         live = logical = retained = naive = dense = evicting = 0
-        for rid, st in self._vt_states.items():
-            held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
-            if st.resuming and not held:
-                continue  # preempted, waiting to resume: holds nothing
-            live += st.table.num_live
-            logical += st.table.num_logical
-            retained += held
-            naive += st.naive.num_retained_blocks
-            dense += cdiv(st.table.num_live, self._vt_bs)
-            evicting += st.table.offset > 0
+        if self._vt_worker:  # the counts from the rows of self._vt_cols, every state at once
+            # (a state is never resuming here: decide_on: worker drops a preempted request's state)
+            hit = self._vt_rows_cache.get("states")
+            if hit is None or hit[0] != self._vt_rows_version:
+                rows = np.fromiter(self._vt_rows.values(), dtype=np.int64, count=len(self._vt_rows))
+                hit = self._vt_rows_cache["states"] = (self._vt_rows_version, _as_slice(rows) or rows)
+            data = self._vt_cols.data
+            lv, lg, held, nv = (data[c, hit[1]] for c in (C.LIVE, C.LOGICAL, C.HELD, C.NAIVE_BLOCKS))
+            live, logical = int(np.add.reduce(lv)), int(np.add.reduce(lg))
+            retained, naive = int(np.add.reduce(held)), int(np.add.reduce(nv))  # (held: len(req_to_blocks))
+            dense = int(np.add.reduce((lv + (self._vt_bs - 1)) // self._vt_bs))
+            evicting = int(np.count_nonzero(lg > lv))
+        else:
+            for rid, st in self._vt_states.items():
+                held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
+                if st.resuming and not held:
+                    continue  # preempted, waiting to resume: holds nothing
+                live += st.table.num_live
+                logical += st.table.num_logical
+                retained += held
+                naive += st.naive.num_retained_blocks
+                dense += cdiv(st.table.num_live, self._vt_bs)
+                evicting += st.table.offset > 0
         s.live_tokens, s.logical_tokens, s.retained_blocks = live, logical, retained
         s.naive_retained_blocks, s.dense_blocks, s.num_evicting_requests = naive, dense, evicting
         if self._vt_caching:

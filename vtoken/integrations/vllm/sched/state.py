@@ -105,6 +105,11 @@ class RequestState:
     #: then)] per preemption: the oracle replays the steps (``oracle_generate(preempt_at=...)``)
     preempt_log: list = field(default_factory=list)
 
+    def log_eviction(self, step: int, k: int) -> None:
+        """Append ``(step, k)`` to :attr:`evict_log` (a :class:`~vtoken.integrations.vllm.sched.counts.CountState`
+        keeps the log in runs)."""
+        self.evict_log.append((step, k))
+
     def prepare_resume(self) -> None:
         """Keep this state across a preemption (the request's blocks are gone).
 
