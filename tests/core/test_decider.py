@@ -47,14 +47,14 @@ class _Ref:
         return positions, plan
 
 
-def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1):
+def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, window=3):
     rng = np.random.default_rng(seed)
     cfg = VTokenConfig(policy=policy_name, budget=budget, seed=seed % 7,
-                       **({"policy_args": {"window": 3}} if policy_name == "scissorhands" else {}),
+                       **({"policy_args": {"window": window}} if policy_name == "scissorhands" else {}),
                        **({"decide_on": "worker"} if policy_name == "knorm" else {}))
     pol = cfg.make_policy()
     sinks, recent = cfg.protections()
-    max_blocks = 16
+    max_blocks = max(16, 2 * budget // B + 8)
     num_blocks = num_req * max_blocks + 3
     # each request's block table: distinct random block ids (as vLLM's pool hands them out)
     perm = rng.permutation(num_blocks)[: num_req * max_blocks].reshape(num_req, max_blocks)
@@ -178,6 +178,15 @@ def test_token_sets_differ_when_their_statistics_differ():
     assert sorted(dec.logical_pos(0, bt[0], 0).tolist()) == [0, 1, 2, 3, 4, 9]
     assert sorted(dec.logical_pos(0, bt[0], 1).tolist()) == [4, 5, 6, 7, 8, 9]
     assert ev.sets.tolist().count(0) == 1 and ev.sets.tolist().count(1) == 4  # set 0: 9 -> 5; set 1: 4..9 -> 0..3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [64, 70, 129])
+def test_scissorhands_packed_history_equals_the_boolean_window(device, window):
+    """Scissorhands' batched history is packed 64 steps to an int64 word with a running count:
+    over more steps than the window, windows that fill one word exactly (bit 63 included), spill
+    into a second or a third word, give the per-request path's boolean window counts."""
+    _run("scissorhands", window, device, steps=3 * window, num_req=3, budget=64, sets=2, window=window)
 
 
 @pytest.mark.parametrize("policy_name", POLICIES)

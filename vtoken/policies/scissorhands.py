@@ -37,7 +37,11 @@ class ScissorhandsPolicy(EvictionPolicy):
     State: a ring buffer ``hist`` of ``window`` boolean rows over the slots (``True`` =
     below uniform at that step) and the ring index ``state.extra["ring"]``. A step
     with ``stats.last_row`` overwrites the oldest row; tokens absent at a step (not
-    yet written) count 0 for it. Score: ``-count`` (higher = keep).
+    yet written) count 0 for it. Score: ``-count`` (higher = keep). The batched worker
+    path (``decide_on: worker``) keeps the same window packed: per slot and token set,
+    ``ceil(window / 64)`` int64 words (bit ``j`` of word ``w`` = ring row ``64 w + j``) and
+    the running count (int32), so a step reads and writes one word and one count per slot
+    (12 bytes per slot and set at ``window <= 64``, not ``window`` booleans).
 
     Fields:
         window: history length in steps (>= 1). Built from a config without a
@@ -141,7 +145,10 @@ class ScissorhandsPolicy(EvictionPolicy):
         return -self.counts(state, view).astype(np.float64)
 
     def side_specs(self):
-        return {"hist": ((self.window,), torch.bool)}  # [N, window] per request: slot-major
+        # the window's bits packed 64 to an int64 word (bit j of word w: step w * 64 + j of the
+        # ring), and their running count, so a step touches one word and one count per slot
+        # instead of summing ``window`` booleans (``docs/granularity.md``, cost)
+        return {"hist": ((-(-self.window // 64),), torch.int64), "cnt": ((), torch.int32)}
 
     def request_specs(self):
         return {"ring": torch.int64}
@@ -149,15 +156,24 @@ class ScissorhandsPolicy(EvictionPolicy):
     def observe_batched(self, fields, live, col_sum, last_row) -> None:
         if last_row is None:
             return
-        hist, ring = fields["hist"], fields["ring"]  # [R, N, window], [R]
+        hist, cnt, ring = fields["hist"], fields["cnt"], fields["ring"]  # [R, N, words] int64, [R, N], [R]
         r, n = last_row.shape
         cols = torch.arange(n, device=last_row.device)[None, :]
         t = live.clamp(min=1).to(torch.float64)[:, None]
         below = (last_row.to(torch.float64) < 1.0 / t) & (cols < live[:, None])
-        idx = (ring % self.window)[:, None, None].expand(r, n, 1)
-        on = (live > 0)[:, None, None]  # the per-request path skips a request with no live token
-        hist.scatter_(2, idx, torch.where(on, below[:, :, None], hist.gather(2, idx)))
+        at = ring % self.window
+        idx = (at // 64)[:, None, None].expand(r, n, 1)
+        bit = (at % 64)[:, None]
+        word = hist.gather(2, idx)[:, :, 0]  # [R, N]
+        old = torch.bitwise_and(torch.bitwise_right_shift(word, bit), 1)  # (arithmetic shift: bit 63 too)
+        new = below.to(torch.int64)
+        on = (live > 0)[:, None]  # the per-request path skips a request with no live token
+        mask = torch.bitwise_left_shift(torch.ones_like(bit), bit)
+        word = torch.where(on, torch.bitwise_or(torch.bitwise_and(word, torch.bitwise_not(mask)),
+                                                torch.bitwise_left_shift(new, bit)), word)
+        hist.scatter_(2, idx, word[:, :, None])
+        cnt.add_(torch.where(on, new - old, 0).to(cnt.dtype))
         ring.copy_(torch.where(live > 0, (ring + 1) % self.window, ring))
 
     def score_batched(self, fields, logical_pos, live) -> torch.Tensor:
-        return -fields["hist"].sum(dim=2, dtype=torch.int64).to(torch.float64)
+        return -fields["cnt"].to(torch.float64)
