@@ -30,6 +30,8 @@ Usage::
                                                  # x token sets (request / layer / head, docs/granularity.md)
     python benchmarks/bench_quality.py --granularity --from-partial benchmarks/results/quality_granularity.partial.json
                                                  # an interrupted run's finished conversations as the result
+    python benchmarks/bench_quality.py --granularity --resume benchmarks/results/quality_granularity.partial.json
+                                                 # go on with an interrupted run (total_wall_s: this part only)
 """
 
 from __future__ import annotations
@@ -283,7 +285,14 @@ def from_partial(path: Path, out_path: Path) -> dict:
     return res
 
 
-def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
+def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None = None) -> dict:
+    """Every conversation through every config of plan ``p`` on the fp32 oracle; after each
+    conversation the rows so far go to ``partial``. ``resume`` (a ``.partial.json`` of the same
+    plan) keeps its finished conversations and runs the others.
+
+    Raises:
+        ValueError: ``resume`` was written for another plan.
+    """
     import torch
 
     from vtoken.config import VTokenConfig
@@ -291,14 +300,22 @@ def oracle_part(p: dict, bar, partial: Path | None = None) -> dict:
 
     model = PrefillMemo(load_oracle_model(smollm2(), dtype=torch.float32))
     convs = load_long_conversations(p["n_conv"], p["prompt_len"] + p["K"], seed=SEED + 1)
-    rows = []
+    rows, done = [], 0
+    if resume is not None:
+        if resume["config"] != json.loads(json.dumps(p)):
+            raise ValueError(f"--resume: the partial file's plan {resume['config']} is not this run's plan {p}")
+        rows, done = resume["rows"], resume["done_convs"]
     pacings = p.get("pacings", ["fixed"])
     configs = oracle_configs(p)
     schedules, pool_stats = {}, {}
     if "pressure" in pacings:
         for b in p["budgets"]:
             schedules[b], pool_stats[b] = pressure_schedules(p["n_conv"], p["prompt_len"], p["K"], b, **p["pool"])
+    if done:
+        bar.update(done * len(configs))
     for ci, c in enumerate(convs):
+        if ci < done:
+            continue
         prompt = c["ids"][: p["prompt_len"]]
         target = c["ids"][p["prompt_len"]: p["prompt_len"] + p["K"]]
         full_argmax = None
@@ -535,11 +552,13 @@ def main(argv=None) -> int:
                           * len(o.get("granularities", [None])))
     bar = tqdm(total=runs + ("engine" in p), desc="runs", unit="run")
     eng = engine_part(p["engine"], bar) if "engine" in p else None
-    orc = oracle_part(o, bar, partial=out_path.with_suffix(".partial.json"))
+    resume = json.loads(args.resume.read_text()) if args.resume else None
+    orc = oracle_part(o, bar, partial=out_path.with_suffix(".partial.json"), resume=resume)
     bar.close()
     res = dict(meta=run_metadata(benchmark="quality", size=args.size, seeds=dict(data_shuffle=SEED + 1, engine=0,
                                  random_policy=0), model="SmolLM2-135M-Instruct (oracle fp32 HF eager; engine bf16)",
                                  plan=p, total_wall_s=time.perf_counter() - t_start,
+                                 resumed_convs=resume["done_convs"] if resume else 0,
                                  load_average_at_end=os.getloadavg()),
                oracle=orc)
     if eng is not None:

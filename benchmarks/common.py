@@ -105,6 +105,9 @@ def parse_size_args(argv, description: str, name: str, extra_sizes: tuple[str, .
     if from_partial:
         ap.add_argument("--from-partial", type=Path, default=None, metavar="JSON",
                         help="write the result of an interrupted run from its .partial.json (finished parts only)")
+        ap.add_argument("--resume", type=Path, default=None, metavar="JSON",
+                        help="go on with an interrupted run from its .partial.json: keep the conversations it "
+                             "finished and run the rest (the plan must be the same)")
     args = ap.parse_args(argv)
     return args, args.out or RESULTS / f"{name}_{args.size}.json"
 
