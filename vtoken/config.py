@@ -66,9 +66,13 @@ def _unknown_key_msg(key: str) -> str:
 
 def get_policy_needs(name: str):
     """The :class:`~vtoken.policies.base.AttentionNeed` of the registered policy ``name``."""
+    return _policy_class(name).needs
+
+
+def _policy_class(name: str):
     from vtoken.policies import get_policy_class
 
-    return get_policy_class(name).needs
+    return get_policy_class(name)
 
 
 def _known_policies() -> list[str]:
@@ -146,7 +150,7 @@ class VTokenConfig(BaseModel):
         description="token sets per request. request: one set shared by every layer and KV head; layer: one per "
         "layer; head: one per (layer, KV head); head_shared: one per KV head, shared across layers. Every set "
         "keeps the same number of live tokens, so block tables and slot mappings stay shared. null: the policy's "
-        "own default (its paper's: h2o, scissorhands head; tova layer; random, streaming request) under "
+        "own default (its paper's: h2o, scissorhands, knorm, keydiff head; tova layer; random, streaming request) under "
         "decide_on worker, request under decide_on scheduler; anything but request needs decide_on worker",
     )
     protect_cached_prefix: bool = Field(
@@ -195,6 +199,11 @@ class VTokenConfig(BaseModel):
                 raise ValueError(
                     f"vtoken.score_every = {self.score_every} with vtoken.policy = {self.policy!r}: a key-only policy "
                     "records each key's norm in the step that writes it, so every step is scored; allowed: 1")
+        if getattr(_policy_class(self.policy), "eviction_keys", False) and self.decide_on != "worker":
+            raise ValueError(
+                f"vtoken.policy = {self.policy!r} scores the cached keys right before each eviction, on the worker: "
+                f"it needs vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with decide_on scheduler: a "
+                "policy that scores from attention or from positions (h2o, tova, scissorhands, streaming, random)")
         if self.granularity not in (None, "request") and self.decide_on != "worker":
             raise ValueError(
                 f"vtoken.granularity = {self.granularity!r} needs vtoken.decide_on = 'worker' (per-set token tables "

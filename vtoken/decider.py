@@ -232,7 +232,8 @@ class DeviceDecider:
         self.logical[rows] += counts
 
     def observe(self, rows: torch.Tensor, block_table: torch.Tensor, col_sum: Optional[torch.Tensor],
-                last_row: Optional[torch.Tensor], key_norm: Optional[torch.Tensor] = None) -> None:
+                last_row: Optional[torch.Tensor], key_norm: Optional[torch.Tensor] = None,
+                key_sim: Optional[torch.Tensor] = None) -> None:
         """Fold one step's statistics into the side cache: :meth:`EvictionPolicy.observe_batched`
         on every (request, set) row.
 
@@ -241,12 +242,14 @@ class DeviceDecider:
                 order, ``N >= max live``; or None. Padding past a request's live count is ignored.
             key_norm: as ``col_sum``, the norms of the keys written in the step (``NaN``
                 elsewhere), for a policy that needs ``AttentionNeed.KEY_NORM``; or None.
+            key_sim: as ``col_sum``, each live slot's similarity to its head's anchor, for a
+                policy with ``eviction_keys`` (KeyDiff), set right before an eviction; or None.
         """
-        if rows.shape[0] == 0 or (col_sum is None and last_row is None and key_norm is None):
+        if rows.shape[0] == 0 or (col_sum is None and last_row is None and key_norm is None and key_sim is None):
             return
         r, sets = rows.shape[0], self.num_sets
         shaped = []
-        for x in (col_sum, last_row, key_norm):
+        for x in (col_sum, last_row, key_norm, key_sim):
             if x is not None:
                 if x.dim() == 2:
                     x = x[:, None, :]
@@ -254,7 +257,7 @@ class DeviceDecider:
                     raise ValueError(f"statistics have shape {tuple(x.shape)}; expected [{r}, {sets}, N] "
                                      f"(requests, token sets, slots)")
             shaped.append(x)
-        col_sum, last_row, key_norm = shaped
+        col_sum, last_row, key_norm, key_sim = shaped
         n = next(x for x in shaped if x is not None).shape[2]
         slots, mask = self._slots(rows, block_table, n)
         fields = {k: self._flat(v) for k, v in self.side.gather(slots, [k for k in self.side.fields if k != "pos"]).items()}
@@ -268,6 +271,9 @@ class DeviceDecider:
         if key_norm is not None:  # NaN (not written this step) stays NaN; padding becomes NaN too
             extra["key_norm"] = torch.where(mask_f, key_norm.transpose(0, 1).reshape(sets * r, n),
                                             torch.full((), float("nan"), dtype=key_norm.dtype, device=key_norm.device))
+        if key_sim is not None:  # padding becomes NaN
+            extra["key_sim"] = torch.where(mask_f, key_sim.transpose(0, 1).reshape(sets * r, n),
+                                           torch.full((), float("nan"), dtype=key_sim.dtype, device=key_sim.device))
         self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row), **extra)
         self.side.scatter(slots, mask, {k: self._unflat(v) for k, v in fields.items()})
         for k, t in self.req_fields.items():

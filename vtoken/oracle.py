@@ -79,6 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["OracleResult", "oracle_generate", "load_oracle_model", "attention_stats", "attention_stats_sets",
            "key_norm_sets",
+           "key_sim_sets",
            "GRANULARITIES", "set_index_map"]
 
 #: the token-set granularities, ``docs/granularity.md``
@@ -294,6 +295,41 @@ def key_norm_sets(cache, q: int, set_of: np.ndarray) -> list[np.ndarray]:
             acc[s] += norms[l_, g].cpu()
             cnt[s] += 1
     return [(a / c).numpy() for a, c in zip(acc, cnt)]
+
+
+def key_sim_sets(cache, granularity: str) -> list[np.ndarray]:
+    """KeyDiff's statistic from the oracle's cache: each live slot's cosine similarity to its
+    (layer, KV head)'s anchor (:func:`vtoken.policies.keydiff.key_similarity`), averaged per
+    token set as the worker does (``VTokenWorkerCore.key_similarity_sets``): ``head`` the pair's
+    own (set ``l * Hkv + g``); ``head_shared`` the mean over layers; ``layer`` the sum over KV
+    heads divided by their number; ``request`` that, then the mean over layers.
+
+    Args:
+        cache: the oracle's ``DynamicCache`` (per layer keys ``[1, Hkv, T, hd]``, ``T`` live slots).
+        granularity: ``"request"``, ``"layer"``, ``"head"`` or ``"head_shared"``.
+
+    Returns:
+        per set, float64 ``[T]``.
+
+    Raises:
+        ValueError: an unknown granularity.
+    """
+    from vtoken.policies.keydiff import key_similarity
+
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"key_sim_sets: granularity = {granularity!r}; allowed: {list(GRANULARITIES)}")
+    sim = torch.stack([key_similarity(layer.keys[0:1], torch.tensor([layer.keys.shape[2]], device=layer.keys.device))[0]
+                       .cpu() for layer in cache.layers])  # [L, Hkv, T]
+    L, H = sim.shape[:2]
+    if granularity == "head":
+        return [sim[l_, g].numpy() for l_ in range(L) for g in range(H)]
+    if granularity == "head_shared":
+        m = sim.mean(dim=0)
+        return [m[g].numpy() for g in range(H)]
+    per_layer = sim.sum(dim=1) / H  # [L, T]
+    if granularity == "layer":
+        return [per_layer[l_].numpy() for l_ in range(L)]
+    return [per_layer.mean(dim=0).numpy()]
 
 
 def _check_model(model) -> None:
@@ -560,6 +596,9 @@ def oracle_generate(
                 else:
                     k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
+                    if getattr(policy, "eviction_keys", False):  # KeyDiff: the cached keys, now
+                        for s, sim in enumerate(key_sim_sets(cache, granularity)):
+                            policy.observe(states[s], n, AttentionStats(key_sim=sim), view_of(s))
                     victims = [select(s, k) for s in range(S)]
                     counts = sorted({len(v) for v in victims})
                     if len(counts) != 1:

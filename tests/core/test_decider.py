@@ -16,7 +16,7 @@ from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
 from vtoken.token_table import TokenTable
 
 B = 4
-POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm"]
+POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm", "keydiff"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -35,9 +35,9 @@ class _Ref:
         t = self.table
         return TokenView(t.logical_pos, t.num_logical, 0, prefix)
 
-    def observe(self, col, last, kn=None):
-        self.pol.observe(self.state, self.table.num_live, AttentionStats(col_sum=col, last_row=last, key_norm=kn),
-                         self.view())
+    def observe(self, col, last, kn=None, ks=None):
+        self.pol.observe(self.state, self.table.num_live,
+                         AttentionStats(col_sum=col, last_row=last, key_norm=kn, key_sim=ks), self.view())
 
     def evict(self, k, prefix):
         victims = self.pol.select_victims(self.state, self.view(prefix), k)
@@ -51,7 +51,7 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, wind
     rng = np.random.default_rng(seed)
     cfg = VTokenConfig(policy=policy_name, budget=budget, seed=seed % 7,
                        **({"policy_args": {"window": window}} if policy_name == "scissorhands" else {}),
-                       **({"decide_on": "worker"} if policy_name == "knorm" else {}))
+                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff") else {}))
     pol = cfg.make_policy()
     sinks, recent = cfg.protections()
     max_blocks = max(16, 2 * budget // B + 8)
@@ -83,6 +83,15 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, wind
         # 1. evict: k from a random mix of "over budget" and random amounts (pressure pacing)
         live = np.array([refs[i].table.num_live for i in run])
         k = np.where(rng.random(len(run)) < 0.5, np.maximum(live - budget, 0), rng.integers(0, 4, len(run)))
+        if pol.eviction_keys:  # KeyDiff: similarities from the cached keys, set right before the eviction
+            ks = np.round(rng.random((len(run), sets, max(live.max(), 1))) * 8) / 8  # (ties on purpose)
+            ks[rng.random(ks.shape) < 0.05] = np.nan  # a zero key: no cosine
+            for j, i in enumerate(run):
+                ks[j, :, live[j]:] = np.nan
+                for s_, ref in enumerate(refs_sets[i]):
+                    ref.observe(None, None, None, ks[j, s_, : live[j]].copy())
+            dec.observe(rows, bt[run], None, None,
+                        key_sim=torch.tensor(ks[:, 0] if sets == 1 else ks, device=device))
         ev = dec.evict(rows, bt[run], torch.tensor(k, device=device), sink_tokens=sinks, recent_tokens=recent,
                        protected_prefix=torch.tensor(prefix[run], device=device))
         for j, i in enumerate(run):

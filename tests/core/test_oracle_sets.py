@@ -299,3 +299,32 @@ def test_key_norm_sets_exact():
     assert [x.tolist() for x in got] == [want[:, g].mean(axis=0).tolist() for g in range(H)]
     got = key_norm_sets(cache, q, set_index_map("request", L, 1))
     assert [x.tolist() for x in got] == [want.reshape(-1, q).mean(axis=0).tolist()]
+
+
+def test_key_sim_sets_equal_an_independent_reference():
+    """KeyDiff's statistic in the oracle (Park et al., arXiv 2504.15364, Sec. 3): per (layer, KV
+    head), cos(k_i, mean_j k_j / |k_j|), averaged per set as the worker does, against a numpy
+    reference written from the paper's formula; plus one case known in closed form."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from vtoken.oracle import key_sim_sets
+
+    rng = np.random.default_rng(5)
+    L, H, T, D = 3, 2, 7, 4
+    keys = rng.normal(size=(L, H, T, D))
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=torch.from_numpy(keys[l_][None])) for l_ in range(L)])
+    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+    mu = unit.mean(axis=2, keepdims=True)
+    cos = (keys * mu).sum(-1) / (np.linalg.norm(keys, axis=-1) * np.linalg.norm(mu, axis=-1))  # [L, H, T]
+    close = lambda got, want: np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-12, atol=1e-14)  # noqa: E731
+    close(key_sim_sets(cache, "head"), [cos[l_, g] for l_ in range(L) for g in range(H)])
+    close(key_sim_sets(cache, "head_shared"), [cos[:, g].mean(axis=0) for g in range(H)])
+    close(key_sim_sets(cache, "layer"), [cos[l_].mean(axis=0) for l_ in range(L)])
+    close(key_sim_sets(cache, "request"), [cos.reshape(L * H, T).mean(axis=0)])
+    # closed form: unit keys e1, 2 e1, e2, -3 e1: anchor (e1 + e2) / 4, cosines 1/sqrt2, 1/sqrt2, 1/sqrt2, -1/sqrt2
+    k = torch.tensor([[1.0, 0], [2, 0], [0, 1], [-3, 0]], dtype=torch.float64)[None, None]
+    got = key_sim_sets(SimpleNamespace(layers=[SimpleNamespace(keys=k)]), "head")[0]
+    np.testing.assert_allclose(got, np.array([1, 1, 1, -1]) / np.sqrt(2), rtol=1e-15)

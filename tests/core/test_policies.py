@@ -33,7 +33,8 @@ def stats_for(policy, pos: np.ndarray, step: int, sample: bool = True) -> Attent
     col = vals if policy.needs & AttentionNeed.COL_SUM else None
     last = vals / vals.sum() if (sample and policy.needs & AttentionNeed.LAST_ROW) else None
     kn = vals.copy() if policy.needs & AttentionNeed.KEY_NORM else None
-    return AttentionStats(col_sum=col, last_row=last, key_norm=kn)
+    ks = vals.copy() if policy.eviction_keys else None  # (KeyDiff: set before an eviction in the engine)
+    return AttentionStats(col_sum=col, last_row=last, key_norm=kn, key_sim=ks)
 
 
 def append(policy, state: SlotState, pos: np.ndarray, n: int, step: int, sample: bool = True) -> np.ndarray:
@@ -56,7 +57,7 @@ def check_victims(policy, view: TokenView, victims: np.ndarray, k: int) -> None:
 
 
 def policy_for(name: str, **kw):
-    if get_policy_class(name).needs & AttentionNeed.KEY_NORM:
+    if get_policy_class(name).needs & AttentionNeed.KEY_NORM or get_policy_class(name).eviction_keys:
         kw.setdefault("decide_on", "worker")  # key-only policies run on the worker only
     cfg = VTokenConfig(policy=name, **kw)
     return cfg, cfg.make_policy()

@@ -32,6 +32,7 @@ _BUILTIN = {
     "streaming": "vtoken.policies.streaming:StreamingLLMPolicy",
     "tova": "vtoken.policies.tova:TOVAPolicy",
     "knorm": "vtoken.policies.knorm:KNormPolicy",
+    "keydiff": "vtoken.policies.keydiff:KeyDiffPolicy",
 }
 
 

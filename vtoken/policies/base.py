@@ -75,12 +75,17 @@ class AttentionStats:
             step (post-RoPE; RoPE is a rotation, so the norm is the pre-RoPE one), averaged over
             the (layer, KV head) pairs of the token set; ``NaN`` for every other slot. None when
             not requested.
+        key_sim: float64 ``[num_keys]``: for a policy with ``eviction_keys`` (KeyDiff), each live
+            slot's cosine similarity to its head's anchor, computed from the cached keys right
+            before an eviction (``vtoken.policies.keydiff.key_similarity``), averaged over the
+            token set's (layer, KV head) pairs. None otherwise.
     """
 
     col_sum: Optional[np.ndarray] = None
     last_row: Optional[np.ndarray] = None
     num_keys: Optional[int] = None
     key_norm: Optional[np.ndarray] = None
+    key_sim: Optional[np.ndarray] = None
 
 
 class SlotState:
@@ -193,6 +198,9 @@ class EvictionPolicy(ABC):
 
     name: ClassVar[str] = "base"
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
+    #: True: the policy scores from the cached keys right before each eviction
+    #: (``AttentionStats.key_sim``, set on the worker under ``decide_on: worker``; KeyDiff)
+    eviction_keys: ClassVar[bool] = False
 
     sink_tokens: int = 0
     recent_tokens: int = 0

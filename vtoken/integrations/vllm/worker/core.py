@@ -147,6 +147,7 @@ class VTokenWorkerCore:
             self.decisions = WorkerDecisions(kv.shape[0], kv.shape[2], kv.device,
                                              kv_bytes=sum(t.numel() * t.element_size() for t, _ in caches),
                                              num_layers=len(caches), num_kv_heads=kv.shape[1])
+            self.decisions.key_reader = self.key_similarity_sets
         if self.decisions is not None and scheduler_output is not None:
             for gran, src, dst, sets in self.decisions.begin(scheduler_output, payload):
                 self._apply_set_moves(gran, src, dst, sets)
@@ -190,6 +191,54 @@ class VTokenWorkerCore:
                     lay.move_tokens(kv, src[m], dst[m], heads=None if gran == "layer" else sets[m] % hk)
         else:
             raise ValueError(f"vToken: unknown granularity {gran!r}")
+
+    def key_similarity_sets(self, table: torch.Tensor, live: torch.Tensor, gran: str) -> torch.Tensor:
+        """KeyDiff's statistic for the requests about to evict: per token set, each live slot's
+        cosine similarity to its head's anchor (:func:`vtoken.policies.keydiff.key_similarity`),
+        from the keys in the KV cache, one batched read per layer.
+
+        Args:
+            table: int64 ``[R, nblk]`` block ids of each request (its block-table prefix).
+            live: int64 ``[R]`` live tokens of each request.
+            gran: the requests' granularity; a set covering several (layer, KV head) pairs
+                gets their mean (``head``: ``l * Hkv + g``; ``head_shared``: mean over layers;
+                ``layer``: over KV heads; ``request``: over both). Under tensor parallelism
+                ``layer`` and ``request`` sets sum their ranks' similarities and head counts
+                (one all-reduce on the TP group's CPU group); ``head`` and ``head_shared`` sets
+                are this rank's own KV heads.
+
+        Returns:
+            float64 ``[R, S, max(live)]``; ``NaN`` past each request's live count.
+        """
+        from vtoken.policies.keydiff import key_similarity
+
+        caches = self.kv_caches()
+        bs = caches[0][0].shape[2]
+        n = int(live.max()) if live.numel() else 0
+        cols = torch.arange(n, device=table.device)
+        blocks = table.gather(1, (cols // bs)[None, :].expand(table.shape[0], n).clamp(max=table.shape[1] - 1))
+        offsets = cols % bs
+        sims = torch.stack([key_similarity(lay.gather_keys_batched(kv, blocks, offsets), live.to(kv.device))
+                            for kv, lay in caches], dim=1).to(table.device)  # [R, L, Hkv, n]
+        r, nl, hk = sims.shape[:3]
+        if gran == "head":
+            return sims.reshape(r, nl * hk, n)
+        if gran == "head_shared":
+            return sims.mean(dim=1)
+        tot = sims.sum(dim=2)  # [R, L, n]: summed over this rank's KV heads
+        heads = float(hk)
+        if self._tp_world() > 1:
+            flat = torch.cat([tot.reshape(-1).cpu(), torch.tensor([heads], dtype=torch.float64)])
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self._tp.cpu_group)
+            self.reduce_calls += 1
+            self.reduce_bytes += flat.numel() * flat.element_size()
+            tot, heads = flat[:-1].reshape(tot.shape).to(table.device), float(flat[-1])
+        per_layer = tot / heads
+        if gran == "layer":
+            return per_layer
+        if gran == "request":
+            return per_layer.mean(dim=1, keepdim=True)
+        raise ValueError(f"vToken: unknown granularity {gran!r}")
 
     def layer_index(self, kv_cache: torch.Tensor) -> int:
         """Index of a layer's KV cache in :meth:`kv_caches` (the layer's token sets)."""

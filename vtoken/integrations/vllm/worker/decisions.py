@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -112,6 +112,10 @@ class WorkerDecisions:
         self.device = device
         self.groups: dict[str, _Group] = {}
         self.where: dict[str, tuple[_Group, int, WorkerSpec]] = {}  # req_id -> (group, row, spec)
+        #: for a policy with ``eviction_keys`` (KeyDiff): ``(block_table [R, nblk], live [R],
+        #: granularity) -> float64 [R, S, max live]`` key similarities from the KV cache
+        #: (``VTokenWorkerCore.key_similarity_sets``), read right before the group evicts
+        self.key_reader: Optional[Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = None
 
     @staticmethod
     def _key(spec: WorkerSpec) -> str:
@@ -192,6 +196,14 @@ class WorkerDecisions:
         for g, rows, rids in self._by_group(evict).values():
             dev = g.dec.live.device
             spec = [self.where[r][2] for r in rids]
+            if getattr(g.policy, "eviction_keys", False):
+                if self.key_reader is None:
+                    raise RuntimeError(f"vToken: policy {g.policy.name!r} reads the cached keys at eviction, "
+                                       "but this worker has no key reader")
+                rows_t = torch.tensor(rows, device=dev)
+                table = g.table(rows)
+                g.dec.observe(rows_t, table, None, None,
+                              key_sim=self.key_reader(table, g.dec.live[rows_t], g.granularity))
             ev = g.dec.evict(torch.tensor(rows, device=dev), g.table(rows),
                              torch.tensor([evict[r] for r in rids], device=dev),
                              sink_tokens=torch.tensor([s.sink_tokens for s in spec], device=dev),
