@@ -18,12 +18,18 @@ one run; the report is, per arm, the median over repetitions of the ratio to the
 run of the same repetition, with min/max as the spread (ratios, never absolute times, are
 comparable on this shared machine).
 
+With ``--policies P [P ...]`` the arms are ``stock`` and one evicting arm per policy instead
+(``evict-<P>``; ``<P>@worker`` runs it with ``decide_on: worker``, which the key-only policies
+need): every policy's evicting step against stock in one run (issue 26, "step cost").
+
 Writes ``benchmarks/results/<name>.json`` and ``<name>.png``.
 
 Usage::
 
     python benchmarks/bench_overhead.py --small      # SmolLM2 bf16, 2 reps (~5 min on 2 cores)
     python benchmarks/bench_overhead.py              # SmolLM2 bf16 + tiny fp32, 3 reps
+    python benchmarks/bench_overhead.py --small --policies h2o h2o@worker tova@worker random@worker \
+        knorm@worker keydiff@worker --name overhead_policies   # every policy's evicting step
 """
 
 from __future__ import annotations
@@ -69,10 +75,11 @@ def finalize_partial(partial: Path, out: Path) -> None:
         runs = [r for r in summary["runs"] if r["model"] == m]
         if not runs:
             continue
-        res = {arm: dict(step_ms=[r["step_ms"] for r in runs if r["arm"] == arm]) for arm in ("stock", "noevict", "evict")}
+        arms = list(summary["config"]["arms"])
+        res = {arm: dict(step_ms=[r["step_ms"] for r in runs if r["arm"] == arm]) for arm in arms}
         for arm in res:
             res[arm]["step_ms_median"] = statistics.median(res[arm]["step_ms"]) if res[arm]["step_ms"] else None
-        for arm in ("noevict", "evict"):
+        for arm in [x for x in arms if x != "stock"]:
             ratios = []
             for rep in sorted({r["rep"] for r in runs}):
                 x = [r["step_ms"] for r in runs if r["rep"] == rep and r["arm"] == arm]
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="h2o")
     ap.add_argument("--evict-budget", type=int, default=64)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 2)))
+    ap.add_argument("--policies", nargs="+", default=None, metavar="P[@worker]",
+                    help="arms: stock and one evicting arm per policy (P@worker: decide_on worker)")
     ap.add_argument("--name", default=None)
     a = ap.parse_args(argv)
     models = a.models or (["smollm2"] if a.small else ["smollm2", "tiny"])
@@ -124,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         "noevict": {"policy": a.policy, "budget": 4 * total_len},
         "evict": {"policy": a.policy, "budget": a.evict_budget, "slack": 0},
     }
+    if a.policies:
+        arms = {"stock": None}
+        for spec in a.policies:
+            pol, _, where = spec.partition("@")
+            if where not in ("", "worker"):
+                ap.error(f"--policies {spec!r}: the suffix must be @worker (or none), got @{where}")
+            arms[f"evict-{spec}"] = {"policy": pol, "budget": a.evict_budget, "slack": 0,
+                                     **({"decide_on": "worker"} if where else {})}
     mdefs = {}
     for m in models:
         if m == "smollm2":
@@ -135,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = dict(benchmark="bench_overhead", date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    command="python " + " ".join(["benchmarks/bench_overhead.py"] + argv), machine=machine_info(),
                    config=dict(models=models, reps=reps, batch=a.batch, prompt_len=a.prompt_len,
-                               output_len=a.output_len, block_size=a.block_size, policy=a.policy,
+                               output_len=a.output_len, block_size=a.block_size,
+                               policy=a.policy if not a.policies else "per arm",
                                arms=arms, threads=a.threads,
                                metric="harness wall_s / steps (1 prefill + output_len-1 decode steps)"),
                    runs=[], results={})
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             ms = [r["step_ms"] for r in summary["runs"] if r["model"] == m and r["arm"] == arm]
             res[arm] = dict(step_ms=ms, step_ms_median=statistics.median(ms))
-        for arm in ("noevict", "evict"):
+        for arm in [x for x in arms if x != "stock"]:
             ratios = []
             for rep in range(reps):
                 x = [r["step_ms"] for r in summary["runs"] if r["model"] == m and r["rep"] == rep and r["arm"] == arm][0]
@@ -199,10 +217,10 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     c = summary["config"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * (len(c["arms"]) - 1) * len(summary["results"])), 4.2))
     labels, data = [], []
     for m, res in summary["results"].items():
-        for arm in ("noevict", "evict"):
+        for arm in [x for x in c["arms"] if x != "stock"]:
             cfg = c["arms"][arm]
             labels.append(f"{m}, {arm}\n(budget {cfg['budget']})")
             data.append(res[arm]["ratio_to_stock"])

@@ -239,7 +239,8 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_h2o_faster_table": lambda: sla_table("sla_h2o_faster_scoring.json"),
           "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json"),
           "scheduler_table": scheduler_table, "granularity_cost_table": granularity_cost_table,
-          "quality_granularity_table": quality_granularity_table}
+          "quality_granularity_table": quality_granularity_table,
+          "overhead_policies_table": lambda: overhead_table("overhead_policies.json")}
 
 
 if __name__ == "__main__":

@@ -749,7 +749,8 @@ def test_benchmarks_readme_scheduler_host_time_matches_result():
     assert la in " ".join(text.split())
 
 
-@pytest.mark.parametrize("name, result", [("granularity_cost_table", "granularity_cost.json")])
+@pytest.mark.parametrize("name, result", [("granularity_cost_table", "granularity_cost.json"),
+                                          ("overhead_policies_table", "overhead_policies.json")])
 def test_benchmarks_readme_granularity_tables_match_results(name, result):
     """Issue 23's tables in benchmarks/README.md equal their result files, and the load averages
     quoted above the cost table are the run's."""
@@ -760,8 +761,22 @@ def test_benchmarks_readme_granularity_tables_match_results(name, result):
         sys.path.pop(0)
     text = BENCH_DOC.read_text()
     assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
-    meta = json.loads((RESULTS / result).read_text())["meta"]
+    meta = json.loads((RESULTS / result).read_text()).get("meta", {})
     if "load_average_before" in meta:
         la = (f"load average {meta['load_average_before'][0]:.2f} before, "
               f"{meta['load_average_after'][0]:.2f} after")
         assert la in " ".join(text.split()), la
+
+
+def test_benchmarks_readme_step_cost_per_policy_figures():
+    """The ratios and load averages quoted above the per-policy step-cost table are the result's."""
+    d = json.loads((RESULTS / "overhead_policies.json").read_text())
+    r = d["results"]["smollm2"]
+    text = " ".join(BENCH_DOC.read_text().split())
+    assert f"K-norm costs {r['evict-knorm@worker']['ratio_median']:.2f}x" in text
+    attn = [r[a]["ratio_median"] for a in ("evict-h2o", "evict-h2o@worker", "evict-tova@worker",
+                                            "evict-scissorhands@worker")]
+    assert f"any attention-scored policy ({min(attn):.2f}-{max(attn):.2f}x)" in text
+    assert f"brings it to {r['evict-keydiff@worker']['ratio_median']:.2f}x here" in text
+    la = [x["load_average_1m"] for x in d["runs"]]
+    assert f"load average {min(la):.1f}-{max(la):.1f} while it ran" in text

@@ -28,12 +28,17 @@ def key_similarity(keys: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """
     k = keys.to(torch.float64)
     n = k.shape[2]
-    mask = (torch.arange(n, device=k.device)[None, :] < live[:, None])[:, None, :, None]  # [R, 1, N, 1]
-    unit = torch.nn.functional.normalize(k, dim=-1)  # a zero key stays zero
-    mu = torch.where(mask, unit, 0.0).sum(dim=2, keepdim=True) / live.clamp(min=1).to(torch.float64)[:, None, None, None]
-    num = (unit * mu).sum(dim=-1)  # [R, H, N]
+    live_f = live.to(device=k.device, dtype=torch.float64)
+    nk = torch.linalg.vector_norm(k, dim=-1)  # [R, H, N]
+    inv = torch.where(nk > 0, 1.0 / torch.where(nk > 0, nk, 1.0), 0.0)  # 1 / |k|; a zero key counts 0
+    # the anchor mu = mean over the live slots of k / |k|, and k . mu, as batched matrix products
+    # (no [R, H, N, D] temporary of unit keys)
+    w = (torch.arange(n, device=k.device)[None, :] < live[:, None].to(k.device)).to(torch.float64)
+    w = w / live_f.clamp(min=1)[:, None]  # [R, N]
+    mu = torch.matmul((w[:, None, :] * inv)[:, :, None, :], k)  # [R, H, 1, D]
+    num = torch.matmul(k, mu.transpose(-1, -2))[..., 0] * inv  # [R, H, N]: unit k . mu
     den = torch.linalg.vector_norm(mu, dim=-1)  # [R, H, 1]
-    ok = mask[..., 0] & (torch.linalg.vector_norm(k, dim=-1) > 0) & (den > 0)
+    ok = (w[:, None, :] > 0) & (nk > 0) & (den > 0)
     return torch.where(ok, num / torch.where(den > 0, den, 1.0), float("nan"))
 
 

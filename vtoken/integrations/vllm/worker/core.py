@@ -218,9 +218,10 @@ class VTokenWorkerCore:
         cols = torch.arange(n, device=table.device)
         blocks = table.gather(1, (cols // bs)[None, :].expand(table.shape[0], n).clamp(max=table.shape[1] - 1))
         offsets = cols % bs
-        sims = torch.stack([key_similarity(lay.gather_keys_batched(kv, blocks, offsets), live.to(kv.device))
-                            for kv, lay in caches], dim=1).to(table.device)  # [R, L, Hkv, n]
-        r, nl, hk = sims.shape[:3]
+        keys = torch.cat([lay.gather_keys_batched(kv, blocks, offsets) for kv, lay in caches], dim=1)  # [R, L*Hkv, n, hd]
+        r, nl, hk = keys.shape[0], len(caches), keys.shape[1] // len(caches)
+        # one batched similarity over every layer's heads (not one small op chain per layer)
+        sims = key_similarity(keys, live.to(keys.device)).view(r, nl, hk, n).to(table.device)  # [R, L, Hkv, n]
         if gran == "head":
             return sims.reshape(r, nl * hk, n)
         if gran == "head_shared":
