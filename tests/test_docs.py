@@ -750,7 +750,8 @@ def test_benchmarks_readme_scheduler_host_time_matches_result():
 
 
 @pytest.mark.parametrize("name, result", [("granularity_cost_table", "granularity_cost.json"),
-                                          ("overhead_policies_table", "overhead_policies.json")])
+                                          ("overhead_policies_table", "overhead_policies.json"),
+                                          ("quality_granularity_table", "quality_granularity.json")])
 def test_benchmarks_readme_granularity_tables_match_results(name, result):
     """Issue 23's tables in benchmarks/README.md equal their result files, and the load averages
     quoted above the cost table are the run's."""
@@ -780,3 +781,17 @@ def test_benchmarks_readme_step_cost_per_policy_figures():
     assert f"brings it to {r['evict-keydiff@worker']['ratio_median']:.2f}x here" in text
     la = [x["load_average_1m"] for x in d["runs"]]
     assert f"load average {min(la):.1f}-{max(la):.1f} while it ran" in text
+
+
+def test_benchmarks_readme_granularity_quality_figures():
+    """The conversation count and the figures quoted above the granularity quality table are the result's."""
+    d = json.loads((RESULTS / "quality_granularity.json").read_text())
+    text = " ".join(BENCH_DOC.read_text().split())
+    part = d["meta"].get("partial")
+    if part:
+        assert f"first {part['done_convs']} of the {part['n_conv']} conversations" in text
+    by = {(r["policy"], r["budget"], r["pacing"], r["granularity"]): r for r in d["oracle"]["summary"]
+          if r["policy"] != "full"}
+    req, head = by[("h2o", 128, "fixed", "request")], by[("h2o", 128, "fixed", "head")]
+    assert f"({req['delta_nll']:+.3f} -> {head['delta_nll']:+.3f} nats)" in text
+    assert f"holding every block it ever held ({head['naive_blocks']:.0f}), against vToken's {head['vtoken_blocks']:.0f}" in text
