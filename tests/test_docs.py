@@ -139,7 +139,7 @@ def test_policy_classes_are_the_registered_ones():
     from vtoken.policies import get_policy_class
 
     rows = re.findall(r"^\| `(\w+)` \| `(vtoken\.policies\.[\w.]+)`(?: \([^|]*\))? \|$", _config_doc(), re.M)
-    assert len(rows) == 7
+    assert len(rows) == 8
     for name, path in rows:
         cls = get_policy_class(name)
         assert f"{cls.__module__}.{cls.__qualname__}" == path, name

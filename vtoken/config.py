@@ -150,7 +150,7 @@ class VTokenConfig(BaseModel):
         description="token sets per request. request: one set shared by every layer and KV head; layer: one per "
         "layer; head: one per (layer, KV head); head_shared: one per KV head, shared across layers. Every set "
         "keeps the same number of live tokens, so block tables and slot mappings stay shared. null: the policy's "
-        "own default (its paper's: h2o, scissorhands, knorm, keydiff head; tova layer; random, streaming request) under "
+        "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv head; tova layer; random, streaming request) under "
         "decide_on worker, request under decide_on scheduler; anything but request needs decide_on worker",
     )
     protect_cached_prefix: bool = Field(
@@ -199,6 +199,11 @@ class VTokenConfig(BaseModel):
                 raise ValueError(
                     f"vtoken.score_every = {self.score_every} with vtoken.policy = {self.policy!r}: a key-only policy "
                     "records each key's norm in the step that writes it, so every step is scored; allowed: 1")
+        if get_policy_needs(self.policy) & AttentionNeed.WINDOW and self.decide_on != "worker":
+            raise ValueError(
+                f"vtoken.policy = {self.policy!r} scores from its observation window (the last queries of the prompt), "
+                f"which the worker computes: it needs vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with "
+                "decide_on scheduler: h2o, tova, scissorhands, streaming, random")
         if getattr(_policy_class(self.policy), "eviction_keys", False) and self.decide_on != "worker":
             raise ValueError(
                 f"vtoken.policy = {self.policy!r} scores the cached keys right before each eviction, on the worker: "

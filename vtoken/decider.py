@@ -260,7 +260,9 @@ class DeviceDecider:
         col_sum, last_row, key_norm, key_sim = shaped
         n = next(x for x in shaped if x is not None).shape[2]
         slots, mask = self._slots(rows, block_table, n)
-        fields = {k: self._flat(v) for k, v in self.side.gather(slots, [k for k in self.side.fields if k != "pos"]).items()}
+        want_pos = getattr(self.policy, "observe_needs_pos", False)  # (SnapKV pools in logical order)
+        fields = {k: self._flat(v) for k, v in self.side.gather(
+            slots, [k for k in self.side.fields if k != "pos" or want_pos]).items()}
         req = {k: t[:, rows].reshape(sets * r) for k, t in self.req_fields.items()}
         live = self._rep(self.live[rows])
         mask_f = mask.repeat(sets, 1) if sets > 1 else mask
@@ -275,7 +277,7 @@ class DeviceDecider:
             extra["key_sim"] = torch.where(mask_f, key_sim.transpose(0, 1).reshape(sets * r, n),
                                            torch.full((), float("nan"), dtype=key_sim.dtype, device=key_sim.device))
         self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row), **extra)
-        self.side.scatter(slots, mask, {k: self._unflat(v) for k, v in fields.items()})
+        self.side.scatter(slots, mask, {k: self._unflat(v) for k, v in fields.items() if k != "pos"})
         for k, t in self.req_fields.items():
             t[:, rows] = req[k].reshape(sets, r)
 

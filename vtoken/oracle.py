@@ -156,7 +156,8 @@ def load_oracle_model(path: str, dtype: torch.dtype = torch.float32, device: Uni
     return model.to(device).eval()
 
 
-def attention_stats(attentions: Sequence[torch.Tensor], need: AttentionNeed) -> AttentionStats:
+def attention_stats(attentions: Sequence[torch.Tensor], need: AttentionNeed,
+                    window: Optional[int] = None) -> AttentionStats:
     """Reduce one step's per-layer attention probabilities to :class:`AttentionStats`.
 
     Args:
@@ -164,6 +165,8 @@ def attention_stats(attentions: Sequence[torch.Tensor], need: AttentionNeed) -> 
             dtype; H = query heads, q = this step's query rows, k = live keys incl.
             this step's own tokens).
         need: which statistics to compute.
+        window: with ``AttentionNeed.WINDOW`` in ``need``: ``col_sum`` sums the last ``window``
+            query rows only (SnapKV's observation window).
 
     Returns:
         ``col_sum`` and/or ``last_row``, float64 numpy ``[k]`` (None where not needed):
@@ -187,7 +190,8 @@ def attention_stats(attentions: Sequence[torch.Tensor], need: AttentionNeed) -> 
         s = a[0].to(torch.float64).sum(dim=0)  # [q, k], summed over heads
         acc = s if acc is None else acc + s
     mean = acc / float(len(attentions) * shape[1])
-    col_sum = mean.sum(dim=0).cpu().numpy() if need & AttentionNeed.COL_SUM else None
+    rows = mean[-window:] if window and need & AttentionNeed.WINDOW else mean
+    col_sum = rows.sum(dim=0).cpu().numpy() if need & AttentionNeed.COL_SUM else None
     last_row = mean[-1].cpu().numpy().copy() if need & AttentionNeed.LAST_ROW else None
     return AttentionStats(col_sum=col_sum, last_row=last_row)
 
@@ -208,7 +212,7 @@ def set_index_map(granularity: str, num_layers: int, num_kv_heads: int) -> np.nd
 
 
 def attention_stats_sets(attentions: Sequence[torch.Tensor], need: AttentionNeed, granularity: str,
-                         num_kv_heads: int) -> list[AttentionStats]:
+                         num_kv_heads: int, window: Optional[int] = None) -> list[AttentionStats]:
     """Per-set :class:`AttentionStats` of one step (``docs/granularity.md``, "Statistics per set").
 
     Args:
@@ -218,6 +222,7 @@ def attention_stats_sets(attentions: Sequence[torch.Tensor], need: AttentionNeed
         need: which statistics to compute.
         granularity: ``"request"``, ``"layer"``, ``"head"`` or ``"head_shared"``.
         num_kv_heads: ``Hkv``; query head ``h`` belongs to KV head ``h // (Hq // Hkv)``.
+        window: as for :func:`attention_stats`.
 
     Returns:
         One :class:`AttentionStats` per set, in set order (``S`` = 1, ``L``, ``L * Hkv``,
@@ -235,7 +240,7 @@ def attention_stats_sets(attentions: Sequence[torch.Tensor], need: AttentionNeed
     if granularity not in GRANULARITIES:
         raise ValueError(f"attention_stats_sets: granularity = {granularity!r}; allowed: {list(GRANULARITIES)}")
     if granularity == "request":
-        return [attention_stats(attentions, need)]
+        return [attention_stats(attentions, need, window)]
     if len(attentions) == 0:
         raise ValueError("attention_stats_sets: no layers (the number of sets depends on them)")
     set_of = set_index_map(granularity, len(attentions), num_kv_heads)
@@ -264,7 +269,8 @@ def attention_stats_sets(attentions: Sequence[torch.Tensor], need: AttentionNeed
     out = []
     for s in range(S):
         mean = acc[s] / float(pairs[s])
-        col_sum = mean.sum(dim=0).cpu().numpy() if need & AttentionNeed.COL_SUM else None
+        rows = mean[-window:] if window and need & AttentionNeed.WINDOW else mean
+        col_sum = rows.sum(dim=0).cpu().numpy() if need & AttentionNeed.COL_SUM else None
         last_row = mean[-1].cpu().numpy().copy() if need & AttentionNeed.LAST_ROW else None
         out.append(AttentionStats(col_sum=col_sum, last_row=last_row))
     return out
@@ -527,7 +533,8 @@ def oracle_generate(
         if _cache_len(cache) != n_before + q:  # pragma: no cover - a transformers change
             raise RuntimeError("oracle_generate: the cache did not grow by the step's tokens")
         if states and (want_attn or (scored and need & AttentionNeed.KEY_NORM)):
-            stats = (attention_stats_sets(out.attentions, need, granularity, num_kv_heads) if want_attn
+            stats = (attention_stats_sets(out.attentions, need, granularity, num_kv_heads,
+                                          getattr(policy, "window", None)) if want_attn
                      else [AttentionStats() for _ in range(S)])
             if need & AttentionNeed.KEY_NORM:
                 for s, kn in enumerate(key_norm_sets(cache, q, set_of)):

@@ -16,7 +16,7 @@ from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
 from vtoken.token_table import TokenTable
 
 B = 4
-POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm", "keydiff"]
+POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm", "keydiff", "snapkv"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -51,7 +51,7 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, wind
     rng = np.random.default_rng(seed)
     cfg = VTokenConfig(policy=policy_name, budget=budget, seed=seed % 7,
                        **({"policy_args": {"window": window}} if policy_name == "scissorhands" else {}),
-                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff") else {}))
+                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv") else {}))
     pol = cfg.make_policy()
     sinks, recent = cfg.protections()
     max_blocks = max(16, 2 * budget // B + 8)

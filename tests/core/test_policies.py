@@ -57,7 +57,7 @@ def check_victims(policy, view: TokenView, victims: np.ndarray, k: int) -> None:
 
 
 def policy_for(name: str, **kw):
-    if get_policy_class(name).needs & AttentionNeed.KEY_NORM or get_policy_class(name).eviction_keys:
+    if get_policy_class(name).needs & (AttentionNeed.KEY_NORM | AttentionNeed.WINDOW) or get_policy_class(name).eviction_keys:
         kw.setdefault("decide_on", "worker")  # key-only policies run on the worker only
     cfg = VTokenConfig(policy=name, **kw)
     return cfg, cfg.make_policy()
@@ -403,3 +403,38 @@ def test_registry_lists_all_builtins():
     assert {"h2o", "scissorhands", "random", "streaming", "tova"} <= set(ALL)
     with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
         get_policy_class("nope")
+
+
+def test_snapkv_pooling_equals_a_logical_order_reference():
+    """SnapKV's pooling (Li et al., arXiv 2404.14469, Sec. 4.2): an average over ``kernel``
+    neighbours in logical order among the live tokens, zero-padded, divided by ``kernel``;
+    checked on shuffled slots (a repacked request) against a loop written from that rule."""
+    import torch
+
+    from vtoken.policies.snapkv import pool_logical
+
+    rng = np.random.default_rng(3)
+    for n, live, kernel in ((12, 12, 7), (12, 9, 3), (5, 5, 7), (1, 1, 7), (10, 0, 5)):
+        pos = rng.permutation(100)[:n]
+        x = rng.random(n)
+        got = pool_logical(torch.tensor(x)[None], torch.tensor(pos)[None], torch.tensor([live]), kernel)[0].numpy()
+        order = np.argsort(pos[:live], kind="stable")  # live slots in logical order
+        want = np.zeros(n)
+        for rank, slot in enumerate(order):
+            nb = [order[j] for j in range(rank - kernel // 2, rank + kernel // 2 + 1) if 0 <= j < live]
+            want[slot] = sum(x[s] for s in nb) / kernel
+        np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-16)
+
+
+def test_snapkv_window_is_the_last_queries():
+    """The oracle's WINDOW statistic sums the last ``window`` query rows only."""
+    import torch
+
+    from vtoken.oracle import attention_stats
+
+    a = torch.zeros(1, 2, 4, 5, dtype=torch.float64)
+    for q in range(4):
+        a[0, :, q, q] = 1.0  # row q attends to key q only
+    need = AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW | AttentionNeed.WINDOW
+    assert attention_stats([a], need, window=2).col_sum.tolist() == [0, 0, 1, 1, 0]
+    assert attention_stats([a], AttentionNeed.COL_SUM).col_sum.tolist() == [1, 1, 1, 1, 0]

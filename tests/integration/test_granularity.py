@@ -24,7 +24,7 @@ from execution_paths import EXPECTED, path_env
 
 pytestmark = pytest.mark.engine
 
-POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff"]
+POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv"]
 GRANULARITIES = ["layer", "head", "head_shared"]
 NEW = 40
 BASE = {"policy": "h2o", "budget": 40, "decide_on": "worker"}

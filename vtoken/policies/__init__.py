@@ -33,6 +33,7 @@ _BUILTIN = {
     "tova": "vtoken.policies.tova:TOVAPolicy",
     "knorm": "vtoken.policies.knorm:KNormPolicy",
     "keydiff": "vtoken.policies.keydiff:KeyDiffPolicy",
+    "snapkv": "vtoken.policies.snapkv:SnapKVPolicy",
 }
 
 

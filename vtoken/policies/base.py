@@ -58,6 +58,9 @@ class AttentionNeed(enum.Flag):
     #: the L2 norm of each key written in the step (key-only policies: no attention pass;
     #: ``decide_on: worker`` only)
     KEY_NORM = enum.auto()
+    #: ``COL_SUM`` over the step's last ``policy.window`` query rows only (SnapKV's observation
+    #: window; ``decide_on: worker`` only: the worker reads the window from the request's policy)
+    WINDOW = enum.auto()
 
 
 @dataclass

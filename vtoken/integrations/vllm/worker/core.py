@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from vtoken.policies.base import AttentionNeed
 from vtoken.integrations.vllm.worker.kv_layout import KVLayout
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload
 from vtoken.integrations.vllm.worker.scoring import StepScores
@@ -295,10 +296,12 @@ class VTokenWorkerCore:
         if self.score_reqs:
             rows = [(i, r, self.score_reqs[r]) for i, r in enumerate(req_ids) if r in self.score_reqs]
             if rows:
-                grans = None
+                grans = windows = None
                 if self.decisions is not None:
                     grans = {r: g for _, r, _ in rows if (g := self.decisions.granularity(r)) != "request"} or None
-                self.step = StepScores(rows, grans=grans)
+                    windows = {r: w for _, r, need in rows if need & AttentionNeed.WINDOW.value
+                               and (w := self.decisions.window(r)) is not None} or None
+                self.step = StepScores(rows, grans=grans, windows=windows)
 
     def take_scores(self) -> Optional[ScoreMap]:
         """The step's statistics (req_id -> (col_sum, last_row)), or None; disarms :attr:`step`.

@@ -126,6 +126,11 @@ class WorkerDecisions:
         got = self.where.get(rid)
         return "request" if got is None else got[0].granularity
 
+    def window(self, rid: str) -> Optional[int]:
+        """The observation window of a tracked request's policy (SnapKV), or None."""
+        got = self.where.get(rid)
+        return None if got is None else getattr(got[2].policy, "window", None)
+
     def bytes_per_token(self) -> int:
         """Side-cache bytes per KV slot over every policy group so far."""
         return sum(g.dec.side.bytes_per_token for g in self.groups.values())

@@ -123,12 +123,16 @@ class StepScores:
         tile_elems: see :func:`prefill_stats`; default: the module's :data:`TILE_ELEMS`.
         grans: req_id -> granularity (``layer``, ``head``, ``head_shared``) of the rows that
             keep several token sets; None or missing: ``request``.
+        windows: req_id -> observation window of the rows that need ``AttentionNeed.WINDOW``.
     """
 
     def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None,
-                 grans: Optional[dict[str, str]] = None):
+                 grans: Optional[dict[str, str]] = None, windows: Optional[dict[str, int]] = None):
         self.rows = rows
         self.grans = grans or {}
+        #: req_id -> observation window of rows that need ``AttentionNeed.WINDOW`` (SnapKV): their
+        #: column sums cover the step's last ``window`` query rows only
+        self.windows = windows or {}
         #: per-set rows: req_id -> layer index -> (col [Hkv, n] or None, last [Hkv, n] or None)
         self._sets: dict[str, dict[int, list[Optional[torch.Tensor]]]] = {}
         self.tile_elems = TILE_ELEMS if tile_elems is None else tile_elems
@@ -155,6 +159,8 @@ class StepScores:
                 keyed.append((rid, n, qs, qe))
             if not need & attn:
                 continue
+            if need & AttentionNeed.WINDOW.value and rid in self.windows:
+                qs = max(qs, qe - self.windows[rid])  # the last `window` rows are the last of the keys too
             if qe - qs == 1 or not need & AttentionNeed.COL_SUM.value:
                 singles.append((row, rid, need, n, qe - 1))
             else:
