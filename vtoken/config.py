@@ -204,7 +204,7 @@ class VTokenConfig(BaseModel):
                 f"vtoken.policy = {self.policy!r} scores from its observation window (the last queries of the prompt), "
                 f"which the worker computes: it needs vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with "
                 "decide_on scheduler: h2o, tova, scissorhands, streaming, random")
-        if getattr(_policy_class(self.policy), "eviction_keys", False) and self.decide_on != "worker":
+        if _policy_class(self.policy).eviction_keys and self.decide_on != "worker":
             raise ValueError(
                 f"vtoken.policy = {self.policy!r} scores the cached keys right before each eviction, on the worker: "
                 f"it needs vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with decide_on scheduler: a "

@@ -260,7 +260,7 @@ class DeviceDecider:
         col_sum, last_row, key_norm, key_sim = shaped
         n = next(x for x in shaped if x is not None).shape[2]
         slots, mask = self._slots(rows, block_table, n)
-        want_pos = getattr(self.policy, "observe_needs_pos", False)  # (SnapKV pools in logical order)
+        want_pos = self.policy.observe_needs_pos  # (SnapKV pools in logical order)
         fields = {k: self._flat(v) for k, v in self.side.gather(
             slots, [k for k in self.side.fields if k != "pos" or want_pos]).items()}
         req = {k: t[:, rows].reshape(sets * r) for k, t in self.req_fields.items()}

@@ -603,7 +603,7 @@ def oracle_generate(
                 else:
                     k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
-                    if getattr(policy, "eviction_keys", False):  # KeyDiff: the cached keys, now
+                    if policy.eviction_keys:  # KeyDiff: the cached keys, now
                         for s, sim in enumerate(key_sim_sets(cache, granularity)):
                             policy.observe(states[s], n, AttentionStats(key_sim=sim), view_of(s))
                     victims = [select(s, k) for s in range(S)]

@@ -204,6 +204,9 @@ class EvictionPolicy(ABC):
     #: True: the policy scores from the cached keys right before each eviction
     #: (``AttentionStats.key_sim``, set on the worker under ``decide_on: worker``; KeyDiff)
     eviction_keys: ClassVar[bool] = False
+    #: True: :meth:`observe_batched` needs each slot's logical position (``fields["pos"]``,
+    #: int64 ``[rows, N]``; SnapKV pools in logical order)
+    observe_needs_pos: ClassVar[bool] = False
 
     sink_tokens: int = 0
     recent_tokens: int = 0

@@ -85,6 +85,8 @@ class SnapKVPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "snapkv"
     needs: ClassVar[AttentionNeed] = AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW | AttentionNeed.WINDOW
+    #: the batched observe pools in logical order, so it needs each slot's logical position
+    observe_needs_pos: ClassVar[bool] = True
 
     window: int = 32
     kernel: int = 7
@@ -128,9 +130,6 @@ class SnapKVPolicy(EvictionPolicy):
 
     def score(self, state: SlotState, view: TokenView) -> np.ndarray:
         return state["score"][: view.num_live]
-
-    #: the batched observe needs each slot's logical position (the pooling runs in logical order)
-    observe_needs_pos: ClassVar[bool] = True
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row, **_) -> None:
         if col_sum is None or last_row is None:

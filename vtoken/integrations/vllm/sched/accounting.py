@@ -72,28 +72,24 @@ class BlockAccounting:
     #: :attr:`deltas` value of a ``mode: naive`` request
     NAIVE = -1
 
-    def track(self, request_id: str, st: RequestState) -> None:
-        """A state was made for ``request_id`` (its table is fresh: offset 0)."""
-        if st.cfg.mode == "naive":
-            self.deltas[request_id] = self.NAIVE
-        else:
-            self.deltas.pop(request_id, None)
-
     def set_offset(self, request_id: str, st: RequestState) -> None:
-        """``request_id``'s table changed its offset (an eviction)."""
-        if st.cfg.mode == "vtoken":
-            off = st.table.num_logical - st.table.num_live
-            if off:
-                self.deltas[request_id] = off
-            else:
-                self.deltas.pop(request_id, None)
+        """Bring ``request_id``'s :attr:`deltas` entry in step with ``st`` (a state made, or an
+        eviction that changed its table's offset)."""
+        e = self.expected_delta_entry(st)
+        if e is None:
+            self.deltas.pop(request_id, None)
+        else:
+            self.deltas[request_id] = e
+
+    #: a state was made for a request (its table is fresh: offset 0)
+    track = set_offset
 
     def forget(self, request_id: str) -> None:
         """``request_id``'s state was dropped."""
         self.deltas.pop(request_id, None)
 
     def expected_delta_entry(self, st: RequestState):
-        """What :attr:`deltas` must hold for a request with state ``st`` (None: absent); for the checks."""
+        """What :attr:`deltas` must hold for a request with state ``st`` (None: absent)."""
         if st.cfg.mode == "naive":
             return self.NAIVE
         off = st.table.num_logical - st.table.num_live

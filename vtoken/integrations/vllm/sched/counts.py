@@ -30,6 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from vtoken.integrations.vllm.sched.state import RequestState
+from vtoken.protocol import CountTable
 
 __all__ = ["COLUMNS", "COLUMN_FIELDS", "FLAG_FIELDS", "ColumnCountTable", "CountColumns", "CountState"]
 
@@ -214,12 +215,11 @@ def _flag_field(bit: int, name: str) -> property:
     return property(get, set, doc=f"``{name}`` (a bit of the request's row)")
 
 
-class ColumnCountTable:
-    """:class:`vtoken.protocol.CountTable` (live and logical counts) kept in a :class:`CountState`'s row."""
+class ColumnCountTable(CountTable):
+    """:class:`vtoken.protocol.CountTable` whose live and logical counts are a :class:`CountState`'s
+    row (every method is ``CountTable``'s, through the two properties)."""
 
-    __slots__ = ("_st", "block_size")
-
-    def __init__(self, st: "CountState", block_size: int):
+    def __init__(self, st: "CountState", block_size: int):  # (no CountTable.__init__: the row holds the counts)
         self._st = st
         self.block_size = block_size
 
@@ -242,48 +242,6 @@ class ColumnCountTable:
     def num_logical(self, value: int) -> None:
         st = self._st
         st._cols.data[LOGICAL, st._row] = value
-
-    @property
-    def offset(self) -> int:
-        """``num_logical - num_live``: tokens evicted so far."""
-        return self.num_logical - self.num_live
-
-    def num_blocks(self) -> int:
-        """Blocks the live tokens fill: ``cdiv(num_live, block_size)``."""
-        return -(-self.num_live // self.block_size)
-
-    def append(self, n: int) -> None:
-        """Append ``n >= 0`` tokens.
-
-        Raises:
-            ValueError: ``n < 0``.
-        """
-        if n < 0:
-            raise ValueError(f"append: n = {n}; allowed: >= 0")
-        self.num_live += n
-        self.num_logical += n
-
-    def evict(self, k: int) -> None:
-        """Evict ``k`` live tokens (``0 <= k <= num_live``).
-
-        Raises:
-            ValueError: ``k`` out of range.
-        """
-        live = self.num_live
-        if not 0 <= k <= live:
-            raise ValueError(f"evict: k = {k}; allowed: 0..{live} (the live tokens)")
-        self.num_live = live - k
-
-    def reset(self) -> None:
-        self.num_live = self.num_logical = 0
-
-    def check_invariants(self) -> None:
-        """Raises ``AssertionError`` unless ``0 <= num_live <= num_logical``."""
-        assert 0 <= self.num_live <= self.num_logical, f"counts: live {self.num_live}, logical {self.num_logical}"
-
-    def __repr__(self) -> str:
-        return (f"CountTable(block_size={self.block_size}, num_live={self.num_live}, "
-                f"num_logical={self.num_logical})")
 
 
 class CountState(RequestState):

@@ -201,15 +201,15 @@ class WorkerDecisions:
         for g, rows, rids in self._by_group(evict).values():
             dev = g.dec.live.device
             spec = [self.where[r][2] for r in rids]
-            if getattr(g.policy, "eviction_keys", False):
+            rows_t = torch.tensor(rows, device=dev)
+            table = g.table(rows)
+            if g.policy.eviction_keys:
                 if self.key_reader is None:
                     raise RuntimeError(f"vToken: policy {g.policy.name!r} reads the cached keys at eviction, "
                                        "but this worker has no key reader")
-                rows_t = torch.tensor(rows, device=dev)
-                table = g.table(rows)
                 g.dec.observe(rows_t, table, None, None,
                               key_sim=self.key_reader(table, g.dec.live[rows_t], g.granularity))
-            ev = g.dec.evict(torch.tensor(rows, device=dev), g.table(rows),
+            ev = g.dec.evict(rows_t, table,
                              torch.tensor([evict[r] for r in rids], device=dev),
                              sink_tokens=torch.tensor([s.sink_tokens for s in spec], device=dev),
                              recent_tokens=torch.tensor([s.recent_tokens for s in spec], device=dev),
