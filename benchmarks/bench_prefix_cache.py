@@ -1,13 +1,14 @@
-"""Prefix caching with vToken on the OpenAI server: multi-turn ShareGPT chats (issue 12).
+"""Prefix caching with vToken on the OpenAI server: multi-turn ShareGPT chats (issues 12, 24).
 
 Method:
 
 * One OpenAI server per arm (SmolLM2-135M, bf16, 127.0.0.1, ``--enable-prefix-caching``
   explicit, a fixed pool of ``--num-gpu-blocks-override`` blocks of 32 tokens), started one at
-  a time. Arms: ``stock`` (no ``vtoken`` key), ``vtoken`` (H2O, the default rule: protect the
-  cache hit only) and ``vtoken_protect_prompt`` (``protect_cached_prefix: true``), same budget,
-  and ``vtoken_large_budget`` (the default rule, ``--large-budget``: first turns fit in the
-  budget, never evict and so cache the shared system prompt like stock vLLM).
+  a time. Arms: ``stock`` (no ``vtoken`` key); ``vtoken`` (H2O: it needs the prompt's
+  statistics, so a request keeps its cache hit, docs/integration.md, "Prefix caching");
+  ``vtoken_tova`` and ``vtoken_keydiff`` (``decide_on: worker``): policies that need no prompt
+  statistics, so a first eviction copies the cached blocks it writes; ``vtoken_protect_prompt``
+  (H2O, ``protect_cached_prefix: true``), all at ``--budget``.
 * Workload: ``--conversations`` ShareGPT conversations with at least ``--turns`` user turns,
   each user turn cut to ``--turn-chars`` characters, all starting with the same system prompt
   (a shared prefix across conversations). The conversations run concurrently (one thread
@@ -19,7 +20,10 @@ Method:
   ``vllm:kv_cache_usage_perc`` x (pool - 1) polled every 0.2 s (blocks held by running
   requests; cached free blocks count as free), mean and peak; for the vToken arms also
   ``vtoken:retained_blocks`` (sum over requests' block lists; a shared block counts per
-  sharer).
+  sharer). Copy cost: ``vtoken:unshared_blocks_total`` (cached blocks copied into private ones
+  at a first eviction) and the bytes they are (every layer's K and V of a block, from the model
+  config), and ``vtoken:unshare_deferred_total``; and each arm's wall time (one sample: an
+  indication).
 
 Writes ``benchmarks/results/prefix_cache_sharegpt.json``.
 
@@ -46,6 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from tqdm import tqdm  # noqa: E402
 
 from bench_sla import scrape  # noqa: E402
 from common import run_metadata, write_json  # noqa: E402
@@ -83,6 +89,15 @@ def conversations(n: int, turns: int, turn_chars: int) -> list[list[str]]:
             if len(out) == n:
                 break
     return out
+
+
+def _block_bytes(block_size: int = 32, dtype_bytes: int = 2) -> int:
+    """Bytes of one KV block of the served model (bf16): every layer's K and V."""
+    from vtoken.assets.paths import smollm2_dir
+
+    c = json.loads((Path(smollm2_dir()) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * block_size * dtype_bytes
 
 
 def run_arm(name: str, vt, args, convs) -> dict:
@@ -157,7 +172,10 @@ def run_arm(name: str, vt, args, convs) -> dict:
                    prefix_cache_hit_rate=hits / queries if queries else None, wall_s=wall,
                    blocks_mean=sum(samples["blocks"]) / max(len(samples["blocks"]), 1),
                    blocks_peak=max(samples["blocks"], default=0.0),
-                   evicted_tokens=d.get("vtoken:evicted_tokens_total"), freed_blocks=d.get("vtoken:freed_blocks_total"))
+                   evicted_tokens=d.get("vtoken:evicted_tokens_total"), freed_blocks=d.get("vtoken:freed_blocks_total"),
+                   unshared_blocks=d.get("vtoken:unshared_blocks_total"),
+                   unshared_bytes=None if vt is None else d.get("vtoken:unshared_blocks_total", 0.0) * _block_bytes(),
+                   unshare_deferred=d.get("vtoken:unshare_deferred_total"))
         if samples["vtoken_retained"]:
             res["vtoken_retained_blocks_mean"] = sum(samples["vtoken_retained"]) / len(samples["vtoken_retained"])
             res["vtoken_retained_blocks_peak"] = max(samples["vtoken_retained"])
@@ -180,16 +198,17 @@ def main(argv=None) -> int:
     ap.add_argument("--turn-chars", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--large-budget", type=int, default=256,
-                    help="budget of the vtoken_large_budget arm (default rule), where first turns fit")
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_cache_sharegpt.json"))
     args = ap.parse_args(argv)
     convs = conversations(args.conversations, args.turns, args.turn_chars)
     vt = {"policy": "h2o", "budget": args.budget}
-    arms = [("stock", None), ("vtoken", vt), ("vtoken_protect_prompt", dict(vt, protect_cached_prefix=True)),
-            ("vtoken_large_budget", dict(vt, budget=args.large_budget))]
-    results = [run_arm(name, cfg, args, convs) for name, cfg in arms]
+    arms = [("stock", None), ("vtoken", vt), ("vtoken_tova", dict(vt, policy="tova")),
+            ("vtoken_keydiff", dict(vt, policy="keydiff", decide_on="worker")),
+            ("vtoken_protect_prompt", dict(vt, protect_cached_prefix=True))]
+    results = []
+    for name, cfg in tqdm(arms, desc="arms", unit="server"):
+        results.append(run_arm(name, cfg, args, convs))
     write_json(Path(args.out), dict(meta=run_metadata(), args=vars(args), system_prompt_chars=len(SYSTEM),
                                     arms=results))
     return 0

@@ -155,10 +155,10 @@ class VTokenConfig(BaseModel):
     )
     protect_cached_prefix: bool = Field(
         False,
-        description="with vLLM prefix caching on: false: never evict the prefix a request got from the cache "
-        "(it may be shared), and cache the request's own blocks only up to its first eviction, when it ends; "
-        "true: also never evict its full prompt blocks, so the whole prompt stays reusable while it runs (long "
-        "prompts then keep at least their full prompt blocks). No effect with prefix caching off",
+        description="with vLLM prefix caching on: true: never evict a request's full prompt blocks, so they are "
+        "never copied out of the cache and stay shared with every request that hits them (long prompts then keep "
+        "at least their full prompt blocks); false: a request's first eviction copies the cached blocks it may "
+        "write (the cache keeps them for others). No effect with prefix caching off",
     )
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",

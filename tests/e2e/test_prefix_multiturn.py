@@ -1,5 +1,5 @@
 """ShareGPT multi-turn chats through the OpenAI server with prefix caching on, vToken off and on
-(issue 12).
+(issues 12, 24).
 
 Two ShareGPT conversations, three user turns each (cut to 120 characters), a shared system
 prompt, the whole history resent each turn (``/v1/chat/completions``), 16 greedy output tokens.
@@ -14,10 +14,12 @@ References, independent of the engine:
 * **Stock hits.** vLLM caches the full blocks of each request's computed tokens (prompt plus
   output, less the last sampled token) and a request hits the longest run of whole blocks its
   prompt shares with a cached sequence, at most ``prompt - 1`` tokens.
-* **vToken hits and tokens.** The same, except that a request's cached blocks stop at its
-  first evicted position (its clean prefix): each request is replayed through the dense oracle
-  with its protected prefix = its hit, its tokens must equal the oracle's, and the oracle's
-  evicted positions give the blocks it leaves in the cache for the next requests.
+* **vToken hits and tokens.** The same, except that a request's cached blocks stop at the tokens
+  it computed before its first eviction (vLLM hashes its blocks as they fill until then): each
+  request is replayed through the dense oracle with its protected prefix = its hit (H2O needs
+  the statistics of the prompt, which a hit skips, so it keeps the hit), its tokens must equal
+  the oracle's, and the oracle's first evicting step gives the blocks it leaves in the cache
+  for the next requests.
 * ``vllm:prefix_cache_hits_total`` / ``queries_total`` deltas equal the per-request sums; the
   pool and vToken's gauges return to idle.
 """
@@ -139,7 +141,8 @@ def test_stock_hits_match_the_block_reference(stock):
 
 def test_vtoken_hits_and_tokens_match_the_oracle(vtoken_run, stock, oracle_model, capsys):
     """Each request's tokens equal the dense oracle with its cache hit protected; its hit equals
-    the block reference over the clean prefixes the oracle says the earlier requests left."""
+    the block reference over what the earlier requests computed before their first eviction
+    (the oracle's first evicting step)."""
     cfg = parse_config(VT)
     cached: list[tuple[int, ...]] = []
     evicting = 0
@@ -151,14 +154,17 @@ def test_vtoken_hits_and_tokens_match_the_oracle(vtoken_run, stock, oracle_model
         dead = [int(p) for step in ref.evicted_positions for p in step]
         assert all(p >= r["cached"] for p in dead), where  # the hit is never evicted
         evicting += bool(dead)
-        clean = min([len(r["prompt"]) + len(r["output"]) - 1] + dead)
+        # step 0 is the prefill, step i >= 1 computes output token i - 1: before the first evicting
+        # step i1 the request computed its prompt and i1 - 1 output tokens
+        first = next((i for i, e in enumerate(ref.evicted_positions) if len(e)), None)
+        computed = len(r["prompt"]) + (len(r["output"]) if first is None else first) - 1
         seq = r["prompt"] + r["output"]
-        cached.append(tuple(seq[: clean // BLOCK_SIZE * BLOCK_SIZE]))
+        cached.append(tuple(seq[: computed // BLOCK_SIZE * BLOCK_SIZE]))
         if r["turn"] == 0:  # the first turns' prompts equal stock's; later ones hold vToken's replies
             assert r["prompt"] == s["prompt"], where
     assert evicting == len(vtoken_run["requests"])  # every request evicted
     hits = sum(r["cached"] for r in vtoken_run["requests"])
-    assert hits > 0  # clean prefixes were reused
+    assert hits > 0  # the histories' blocks were reused
     _check_counters(vtoken_run)
     q = {n: sum(len(r["prompt"]) for r in x["requests"]) for n, x in (("stock", stock), ("vtoken", vtoken_run))}
     h = {n: sum(r["cached"] for r in x["requests"]) for n, x in (("stock", stock), ("vtoken", vtoken_run))}

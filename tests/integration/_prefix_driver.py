@@ -12,11 +12,13 @@ it keeps its hash: a repack that wrote a cached or shared block, or stale KV a l
 could hit. It also records the largest ``ref_cnt`` seen (sharing really happened).
 
 Spec: ``{"engine": {LLM kwargs}, "vtoken": {...}, "phases": [[{"id", "prompt_token_ids",
-"max_tokens", "extra_args", "arrive_after"}, ...], ...], "digests": bool}``.
+"max_tokens", "extra_args", "arrive_after", "continue"}, ...], ...], "digests": bool}``; a request
+with ``"continue": ID`` is a next turn: its prompt is ID's prompt + ID's answer + its own tokens.
 Output: ``tokens``, ``num_cached_tokens`` (``RequestOutput.num_cached_tokens``), ``finished``
 (vToken's lifetime figures per request: ``protected``, ``cached_tokens``, ``evicted`` ...),
 ``free_start``, ``free_after_phase`` (one per phase), ``max_ref_cnt``, ``shared_steps`` (steps
-with a block held by two or more requests), ``digest_checks``, ``stats``, ``paths``.
+with a block held by two or more requests), ``digest_checks``, ``stats``, ``paths``, ``prompts``
+(every request's prompt as submitted).
 """
 
 from __future__ import annotations
@@ -59,12 +61,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict(tokens={}, num_cached_tokens={}, free_start=pool.get_num_free_blocks(),
                                free_after_phase=[], max_ref_cnt=0, shared_steps=0, digest_checks=0)
     digests: dict[tuple, str] = {}
+    prompts: dict[str, list] = {}
     for phase in spec["phases"]:
         pending = sorted(phase, key=lambda r: r.get("arrive_after", 0))
         step = 0
         while pending or engine.has_unfinished_requests():
             while pending and pending[0].get("arrive_after", 0) <= step:
                 r = pending.pop(0)
+                if r.get("continue"):  # a next turn: that request's prompt + its answer + these tokens
+                    prev = r["continue"]
+                    r["prompt_token_ids"] = prompts[prev] + out["tokens"][prev] + r["prompt_token_ids"]
+                prompts[r["id"]] = r["prompt_token_ids"]
                 sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
                                     extra_args=r.get("extra_args") or None)
                 engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
@@ -94,6 +101,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out["finished"] = {f["req_id"].rsplit("-", 1)[0]: f for f in sched.vt_finished}
     out["stats"] = sched.vt_stats.as_dict()
     out["paths"] = _execution_path(llm, core)
+    out["prompts"] = prompts
     return out
 
 

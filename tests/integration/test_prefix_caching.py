@@ -1,26 +1,24 @@
-"""vToken with vLLM prefix caching on (issue 12; docs/integration.md, "Prefix caching").
+"""vToken with vLLM prefix caching on (issues 12, 24; docs/integration.md, "Prefix caching").
 
-Rules under test: a request that may evict never evicts its protected prefix (the blocks it
-got from the prefix cache, which may be shared, and, with ``protect_cached_prefix: true``, its
-own full prompt blocks); no repack writes a shared, hashed or foreign block; blocks past the
-protected prefix are kept out of the cache while the request runs and the clean ones (below
-its first evicted position) are cached when it ends. The dense oracle replays the same rule
-(``oracle_generate(protected_prefix=P)``), so tokens are compared exactly.
+The rule under test: a block that is hashed or shared is never written. Until its first eviction
+a request caches its blocks as stock vLLM does; at its first eviction it copies the cached blocks
+it may write into private ones (the cached ones keep their hash and contents) and caches nothing
+more. A policy that needs the statistics of the prompt (H2O, Scissorhands) keeps its hit
+(protected); one that does not (TOVA, StreamingLLM) evicts inside it, and its tokens equal the
+dense oracle's for the prompt alone.
 
 Engines (each one process, ``tests/integration/_prefix_driver.py``, ``VTOKEN_CHECK=1``:
-ref_cnt == holders for every held block, shared blocks counted once in the pool, no block
-past a protected prefix shared or hashed, every block a move writes held by its planner alone
-and unhashed):
+ref_cnt == holders for every held block, shared blocks counted once in the pool, nothing past a
+request's never-evicted prefix shared or hashed once it evicted, every block a move or a copy
+writes held by its planner alone and unhashed). With ``digests`` the driver hashes the contents
+of every hashed block a request holds after every step and fails if one changes.
 
-* ``default_run`` (the default rule, protect the hit only), v1-sync: a short request that
-  never evicts caches the 128-token prefix; then A (the prefix + its own suffix), B (same
-  prefix, another suffix), A again, B with TOVA, one after the other, each hitting the cache
-  and evicting inside its own prompt blocks; then four requests sharing the prefix decode and
-  evict together. The contents of every hashed block a request holds are hashed after every
-  step and must not change while the block keeps its hash. The same on mrv2-async.
-* ``protect_run`` (``protect_cached_prefix: true``), v1-sync: A, B, A again, B with TOVA and
-  the four sharers; the protected prefix is then a function of the prompt alone, so A again
-  gives exactly A's tokens from the fresh engine.
+* ``default_run`` (v1-sync): A (it evicts inside its prompt), B (A's prefix), A again, A's second
+  turn (A's prompt + answer + a question), B and A with TOVA, one after the other; then four
+  requests sharing the prefix decode and evict together. Also on mrv2-async, with
+  ``decide_on: worker``, and under ``protect_cached_prefix: true``.
+* A pool too small for the copies: first evictions deferred, no lost request, no write to a
+  cached block, tokens equal the oracle replaying the logged evictions and preemptions.
 """
 
 from __future__ import annotations
@@ -61,18 +59,25 @@ def _req(rid, prompt, extra=None, max_tokens=NEW):
     return dict(id=rid, prompt_token_ids=prompt, max_tokens=max_tokens, extra_args=extra)
 
 
-SEQUENCE = [[_req("A", A)], [_req("B", B)], [_req("A2", A)], [_req("B-tova", B, TOVA)]]
+# A's second turn: A's prompt + A's answer + a new question
+TURN2 = dict(_req("A-turn2", _suffix(3, 20)), **{"continue": "A"})
+SEQUENCE = [[_req("A", A)], [_req("B", B)], [_req("A2", A)], [TURN2], [_req("B-tova", B, TOVA)],
+            [_req("A-tova", A, TOVA)]]
+SEQ_IDS = ("A", "B", "A2", "A-turn2", "B-tova", "A-tova")
+#: the requests whose policy needs the prompt's statistics (H2O): their hit is protected
+KEEPS_HIT = ("B", "A2", "A-turn2")
 # suffix length, policy, budget, new tokens. Scissorhands' default slack (budget // 2) lets C2
-# grow to 300 live tokens and then cut back to 200, which frees tail blocks past its
-# protected prefix while C0, C1, C3 share the prefix blocks with it.
+# grow to 300 live tokens and then cut back to 200, which frees tail blocks while C0, C1, C3
+# share the prefix blocks with it.
 _C = [(30, "h2o", 100, NEW), (45, "tova", 100, NEW), (60, "scissorhands", 200, 128), (75, "streaming", 100, NEW)]
 CONCURRENT = [[_req(f"C{i}", PREFIX + _suffix(10 + i, n), {"vtoken_policy": pol, "vtoken_budget": b}, max_tokens=m)
                for i, (n, pol, b, m) in enumerate(_C)]]
 
 
-def _run(tiny: str, vt: dict, phases: list, path: str, digests: bool) -> dict:
-    engine = dict(model=tiny, dtype="float32", max_model_len=1024, block_size=BLOCK, enforce_eager=True,
-                  gpu_memory_utilization=0.1, num_gpu_blocks_override=256, skip_tokenizer_init=True,
+def _run(tiny: str, vt: dict, phases: list, path: str, digests: bool, num_blocks: int = 256,
+         max_model_len: int = 1024) -> dict:
+    engine = dict(model=tiny, dtype="float32", max_model_len=max_model_len, block_size=BLOCK, enforce_eager=True,
+                  gpu_memory_utilization=0.1, num_gpu_blocks_override=num_blocks, skip_tokenizer_init=True,
                   enable_prefix_caching=True)
     spec = dict(engine=engine, vtoken=vt, phases=phases, digests=digests)
     with tempfile.TemporaryDirectory() as d:
@@ -93,16 +98,14 @@ def tiny() -> str:
     return str(ensure_tiny_model())
 
 
-# W: 140 tokens within its budget: it never evicts, so it caches its full blocks like stock
-WARM = [[_req("W", PREFIX + _suffix(9, 8), {"vtoken_budget": 256}, max_tokens=4)]]
 PROTECT = dict(VT, protect_cached_prefix=True)
-# the default rule with a budget below the shared prefix: without the hit, eviction would cut into it
+# a budget below the shared prefix: every request evicts inside the cached blocks it got or made
 VT_DEFAULT = dict(VT, budget=96)
 
 
 @pytest.fixture(scope="module")
 def default_run(tiny):
-    return _run(tiny, VT_DEFAULT, WARM + SEQUENCE + CONCURRENT, "v1-sync", digests=True)
+    return _run(tiny, VT_DEFAULT, SEQUENCE + CONCURRENT, "v1-sync", digests=True)
 
 
 @pytest.fixture(scope="module")
@@ -113,39 +116,60 @@ def protect_run(tiny):
 _oracle: dict = {}
 
 
-def _oracle_tokens(tiny, prompt, extra, vt, protected, lag=0, new=NEW):
+def _oracle_tokens(tiny, prompt, extra, vt, protected, lag=0, new=NEW, schedule=None):
     import torch
 
     from vtoken.oracle import load_oracle_model, oracle_generate
 
     cfg = parse_request_overrides(extra).apply(parse_config(vt))
-    key = (tuple(prompt), cfg.model_dump_json(), protected, lag, new)
+    key = (tuple(prompt), cfg.model_dump_json(), protected, lag, new, None if schedule is None else tuple(schedule.items()))
     if key not in _oracle:
         if "model" not in _oracle:
             torch.set_num_threads(2)
             _oracle["model"] = load_oracle_model(tiny)
-        res = oracle_generate(_oracle["model"], prompt, new, cfg, protected_prefix=protected, score_lag=lag)
+        res = oracle_generate(_oracle["model"], prompt, new, cfg, protected_prefix=protected, score_lag=lag,
+                              evict_schedule=schedule)
         _oracle[key] = (list(res.token_ids), res.evicted_positions)
     return _oracle[key]
 
 
 def _check_against_oracle(tiny, out, phases, vt, lag=0):
+    """Every request's tokens equal the dense oracle's for its prompt alone: no prefix cache and,
+    under the default rule, nothing protected (``protected`` is 0 there)."""
     mismatches = []
     for phase in phases:
         for r in phase:
             fin = out["finished"][r["id"]]
-            toks, _ = _oracle_tokens(tiny, r["prompt_token_ids"], r["extra_args"], vt, fin["protected"], lag,
+            toks, _ = _oracle_tokens(tiny, out["prompts"][r["id"]], r["extra_args"], vt, fin["protected"], lag,
                                      r["max_tokens"])
             if out["tokens"][r["id"]] != toks:
                 mismatches.append((r["id"], fin["protected"], out["tokens"][r["id"]][:12], toks[:12]))
     assert mismatches == []
 
 
-def _check_sharers(out):
+#: num_cached_tokens under the default rule: B hits the shared prefix, A again and B again their
+#: full prompt blocks (a hit stops one token short of the prompt: (prompt - 1) // 32 blocks), as
+#: stock vLLM; A's second turn hits A's full prompt blocks but not its answer (KV computed after
+#: A's first eviction is never cached; stock vLLM would hit 224 tokens there)
+SEQ_HITS = {"A": 0, "B": 128, "A2": 160, "A-turn2": 160, "B-tova": 160, "A-tova": 160}
+
+
+def _check_sequence(out):
+    assert {rid: out["num_cached_tokens"][rid] for rid in SEQ_IDS} == SEQ_HITS
+    for rid in SEQ_IDS:
+        fin = out["finished"][rid]
+        assert fin["cached_tokens"] == SEQ_HITS[rid], rid
+        assert fin["evicted"] > 0, rid
+    assert len(out["prompts"]["A-turn2"]) == len(A) + NEW + 20
+
+
+def _check_sharers(out, protected: bool):
     # C0..C3 hit the same four prefix blocks and decode together: ref_cnt 4 while they evict
     assert out["max_ref_cnt"] >= 4 and out["shared_steps"] > 0
     assert all(out["num_cached_tokens"][f"C{i}"] == 128 for i in range(4))
-    assert all(out["finished"][f"C{i}"]["protected"] >= 128 for i in range(4))
+    # H2O (C0) and Scissorhands (C2) keep their hit; TOVA (C1) and StreamingLLM (C3) copy it
+    assert [out["finished"][f"C{i}"]["protected"] >= 128 for i in range(4)] == (
+        [True] * 4 if protected else [True, False, True, False])
     assert all(out["finished"][f"C{i}"]["evicted"] > 0 for i in range(4))
     assert out["stats"]["request_faults"] == 0 and out["stats"]["freed_blocks"] > 0
     # blocks go back through BlockPool.free_blocks: the pool returns to its start after each
@@ -153,75 +177,105 @@ def _check_sharers(out):
     assert out["free_after_phase"] == [out["free_start"]] * len(out["free_after_phase"])
 
 
-def test_default_protects_the_hit_and_evicts_own_prompt_blocks(tiny, default_run):
+def test_default_sequence_hits_like_stock_and_tokens_are_cache_independent(tiny, default_run):
+    """A evicts inside its prompt; B (A's prefix), A again, A's second turn and B with TOVA hit
+    what stock vLLM hits (A's second turn: A's prompt, not its answer); nothing is protected and
+    every request's tokens equal the dense oracle's for it alone, without a prefix cache."""
     out = default_run
     assert out["paths"] == EXPECTED["v1-sync"]
-    hits = out["num_cached_tokens"]
-    assert hits["W"] == 0 and out["finished"]["W"]["evicted"] == 0
-    # W cached the 4 prefix blocks (it never evicted: all its full blocks are clean); A, B, A
-    # again and B-tova hit them. Each evicts inside its own prompt blocks (positions 128 ..
-    # prompt end), so nothing past the prefix is clean when it ends: the hits stay 128.
-    assert {rid: hits[rid] for rid in ("A", "B", "A2", "B-tova")} == dict.fromkeys(("A", "B", "A2", "B-tova"), 128)
-    for rid, prompt in (("A", A), ("B", B), ("A2", A), ("B-tova", B)):
-        fin = out["finished"][rid]
-        assert fin["protected"] == fin["cached_tokens"] == 128  # only the hit
-        assert fin["evicted"] > 0
-    _check_against_oracle(tiny, out, WARM + SEQUENCE + CONCURRENT, VT_DEFAULT)
-    # the rule binds: A evicted inside its own prompt blocks past the hit
-    _, evicted = _oracle_tokens(tiny, A, None, VT_DEFAULT, 128)
-    assert any(((e >= 128) & (e < len(A))).any() for e in evicted)
-    # and the hit is what kept the prefix: without it the oracle evicts inside [0, 128)
-    _, evicted0 = _oracle_tokens(tiny, A, None, VT_DEFAULT, 0)
-    assert min(int(e.min()) for e in evicted0 if len(e)) < 128
+    _check_sequence(out)
+    assert {rid: out["finished"][rid]["protected"] for rid in SEQ_IDS} == {
+        rid: SEQ_HITS[rid] if rid in KEEPS_HIT else 0 for rid in SEQ_IDS}
+    # TOVA needs no statistics of the prompt: A with TOVA after a 160-token hit answers as the
+    # oracle does for A alone (no cache, nothing protected)
+    assert out["finished"]["A-tova"]["protected"] == 0
+    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT_DEFAULT)
+    # the rule binds: alone, A evicts inside the 128-token prefix that B hits, so A's and B's
+    # first evictions had to copy cached blocks (and never wrote them: the driver's digests)
+    _, evicted = _oracle_tokens(tiny, A, None, VT_DEFAULT, 0)
+    assert min(int(e.min()) for e in evicted if len(e)) < 128
+    assert out["stats"]["unshared_blocks"] >= len(SEQ_IDS) + 4
+    assert out["stats"]["unshare_deferred"] == 0
 
 
-def test_default_concurrent_sharers_keep_shared_blocks(default_run):
-    _check_sharers(default_run)
+def test_default_concurrent_sharers_never_write_a_cached_block(default_run):
+    _check_sharers(default_run, protected=False)
     # every held hashed block was checked after every step (the driver fails on a change)
     assert default_run["digest_checks"] > 0
 
 
-def test_protect_cached_prefix_sequence_is_cache_independent(tiny, protect_run):
+def test_protect_cached_prefix_keeps_prompt_blocks_shared(tiny, protect_run):
+    """``protect_cached_prefix: true``: a request never evicts its full prompt blocks (a function
+    of the prompt alone), so they stay shared and are never copied; the same hits as the default."""
     out = protect_run
-    hits = out["num_cached_tokens"]
-    # A computed and cached its full prompt blocks (160 tokens, protected); B shares the
-    # 128-token prefix; A again and B-tova hit their whole full prompt blocks (a hit stops
-    # one token short of the prompt: (prompt - 1) // 32 blocks).
-    assert (hits["A"], hits["B"], hits["A2"], hits["B-tova"]) == (0, 128, 160, 160)
-    for rid, prompt in (("A", A), ("B", B), ("A2", A), ("B-tova", B)):
+    _check_sequence(out)
+    for rid in SEQ_IDS:
         fin = out["finished"][rid]
-        assert fin["protected"] == len(prompt) // BLOCK * BLOCK  # the rule, independent of the hit
-        assert fin["cached_tokens"] == hits[rid]
-        assert fin["evicted"] > 0, rid
-    # the same tokens as alone on a fresh engine: A ran first on a fresh engine
-    assert out["tokens"]["A2"] == out["tokens"]["A"]
+        assert fin["protected"] == len(out["prompts"][rid]) // BLOCK * BLOCK, rid
     _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, PROTECT)
     # the rule is binding: without the protection the oracle evicts inside A's prompt blocks
     _, evicted = _oracle_tokens(tiny, A, None, PROTECT, 0)
     assert min(int(e.min()) for e in evicted if len(e)) < 160
-    _check_sharers(out)
+    _check_sharers(out, protected=True)
     assert out["digest_checks"] > 0
 
 
 def test_default_on_mrv2_async(tiny, default_run):
     """The default rule's sequence and sharers on Model Runner V2 with async scheduling (score lag 1)."""
-    out = _run(tiny, VT_DEFAULT, WARM + SEQUENCE + CONCURRENT, "mrv2-async", digests=False)
+    out = _run(tiny, VT_DEFAULT, SEQUENCE + CONCURRENT, "mrv2-async", digests=False)
     assert out["paths"] == EXPECTED["mrv2-async"]
-    assert out["num_cached_tokens"] == default_run["num_cached_tokens"]
-    _check_sharers(out)
-    _check_against_oracle(tiny, out, WARM + SEQUENCE + CONCURRENT, VT_DEFAULT, lag=SCORE_LAG["mrv2-async"])
+    _check_sequence(out)
+    _check_sharers(out, protected=False)
+    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT_DEFAULT, lag=SCORE_LAG["mrv2-async"])
 
 
 def test_worker_decisions_on_mrv2_async(tiny, default_run):
-    """``decide_on: worker`` (the worker picks the victims, no score lag): the same hits, sharers and
-    hashed-block contents (checked after every step), tokens equal the oracle with no lag."""
+    """``decide_on: worker`` (the worker picks the victims and copies the cached blocks, its side
+    caches with them): the same hits, sharers and hashed-block contents (checked after every
+    step); tokens equal the oracle with no lag."""
     vt = dict(VT_DEFAULT, decide_on="worker")
-    out = _run(tiny, vt, WARM + SEQUENCE + CONCURRENT, "mrv2-async", digests=True)
+    out = _run(tiny, vt, SEQUENCE + CONCURRENT, "mrv2-async", digests=True)
     assert out["paths"] == EXPECTED["mrv2-async"]
-    assert out["num_cached_tokens"] == default_run["num_cached_tokens"]
-    _check_sharers(out)
+    _check_sequence(out)
+    _check_sharers(out, protected=False)
     assert out["digest_checks"] > 0
-    _check_against_oracle(tiny, out, WARM + SEQUENCE + CONCURRENT, vt, lag=0)
+    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, vt, lag=0)
+
+
+# A pool too small for every first eviction's copies: W caches the 128-token prefix; then four
+# requests that need no prompt statistics (their hits are copied, not kept) share it and reach
+# their first eviction in the same step. Each holds 4 shared + 1 own block; budget 64 keeps 3
+# blocks, so each first eviction copies 3 cached blocks. 12 usable blocks: after the prefills 3
+# are free, enough for the first request's copies only.
+PRESSURE_VT = dict(VT, policy="tova", budget=64, sink_tokens=4)
+PRESSURE = [[_req("W", PREFIX + _suffix(20, 8), {"vtoken_budget": 256}, max_tokens=2)],
+            [_req(f"P{i}", PREFIX + _suffix(21 + i, 30), {"vtoken_policy": ("tova", "streaming")[i % 2]},
+                  max_tokens=48) for i in range(4)]]
+
+
+def test_first_evictions_under_pressure_defer_and_never_write_a_cached_block(tiny):
+    """Copies that the free blocks cannot cover defer the first eviction (counted); no request is
+    lost, no cached block is written (contents hashed after every step), the pool returns, and
+    every request's tokens equal the oracle replaying its evictions and preemptions as logged."""
+    from vtoken.oracle import oracle_generate
+
+    out = _run(tiny, PRESSURE_VT, PRESSURE, "v1-sync", digests=True, num_blocks=13, max_model_len=384)
+    assert all(len(out["tokens"][f"P{i}"]) == 48 for i in range(4))
+    assert all(out["num_cached_tokens"][f"P{i}"] >= 128 for i in range(4))
+    st = out["stats"]
+    assert st["unshare_deferred"] > 0 and st["unshared_blocks"] >= 3, st
+    assert st["request_faults"] == 0
+    assert out["digest_checks"] > 0
+    assert out["free_after_phase"] == [out["free_start"]] * 2
+    _oracle_tokens(tiny, PREFIX, None, PRESSURE_VT, 0)  # (loads the model)
+    for phase in PRESSURE:
+        for r in phase:
+            fin = out["finished"][r["id"]]
+            cfg = parse_request_overrides(r["extra_args"]).apply(parse_config(PRESSURE_VT))
+            ref = oracle_generate(_oracle["model"], r["prompt_token_ids"], r["max_tokens"], cfg,
+                                  evict_schedule={d: k for d, k in fin["evict_log"]},
+                                  preempt_at=[d for d, _ in fin["preempt_log"]])
+            assert out["tokens"][r["id"]] == list(ref.token_ids), (r["id"], fin["evict_log"], fin["preempt_log"])
 
 
 if __name__ == "__main__":

@@ -207,6 +207,13 @@ class EvictionPolicy(ABC):
     #: True: :meth:`observe_batched` needs each slot's logical position (``fields["pos"]``,
     #: int64 ``[rows, N]``; SnapKV pools in logical order)
     observe_needs_pos: ClassVar[bool] = False
+    #: True: the policy's state after a prompt depends on statistics of prompt tokens other
+    #: than the last one (accumulated column sums, a history of rows, an observation window,
+    #: norms of the keys a step writes). A prefix-cache hit skips those tokens' forward, so
+    #: vToken keeps a hit's tokens for such a policy (``docs/integration.md``, "Prefix caching").
+    #: False: its decisions depend only on the KV cache, the last prompt token's attention
+    #: (always computed: a hit stops one token short) and later steps, so a hit is exact.
+    prompt_statistics: ClassVar[bool] = False
 
     sink_tokens: int = 0
     recent_tokens: int = 0

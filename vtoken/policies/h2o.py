@@ -51,6 +51,7 @@ class H2OPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "h2o"
     needs: ClassVar[AttentionNeed] = AttentionNeed.COL_SUM
+    prompt_statistics: ClassVar[bool] = True
 
     @classmethod
     def default_granularity(cls) -> str:

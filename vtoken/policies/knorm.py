@@ -69,6 +69,7 @@ class KNormPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "knorm"
     needs: ClassVar[AttentionNeed] = AttentionNeed.KEY_NORM
+    prompt_statistics: ClassVar[bool] = True
 
     @classmethod
     def default_granularity(cls) -> str:

@@ -85,6 +85,7 @@ class ScissorhandsPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "scissorhands"
     needs: ClassVar[AttentionNeed] = AttentionNeed.LAST_ROW
+    prompt_statistics: ClassVar[bool] = True
 
     window: int = 128
 

@@ -85,6 +85,7 @@ class SnapKVPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "snapkv"
     needs: ClassVar[AttentionNeed] = AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW | AttentionNeed.WINDOW
+    prompt_statistics: ClassVar[bool] = True
     #: the batched observe pools in logical order, so it needs each slot's logical position
     observe_needs_pos: ClassVar[bool] = True
 

@@ -48,10 +48,12 @@ ScoreMap = dict[str, tuple[Optional[np.ndarray], Optional[np.ndarray]]]
 class StepPayload:
     """What the worker must do for vToken in this step, **before any KV write of the step**.
 
-    Worker order: (1) apply ``moves`` to every layer (they may read blocks freed in
-    this step and already handed to another request: reading before writing keeps
-    that safe); (2) truncate block-table rows per ``truncate``; (3) record
-    ``offsets``; then the stock ``_update_states`` appends this step's new blocks.
+    Worker order: (0) copy the ``unshare`` blocks (every layer, every KV head, the side
+    caches; one gather-then-scatter batch) and put the new block ids in the rows; (1)
+    apply ``moves`` to every layer (they may read blocks freed in this step and already
+    handed to another request: reading before writing keeps that safe); (2) truncate
+    block-table rows per ``truncate``; (3) record ``offsets``; then the stock
+    ``_update_states`` appends this step's new blocks.
 
     Attributes:
         src, dst: int64 ``[M]`` global slot ids (``block_id * block_size + offset``)
@@ -78,6 +80,12 @@ class StepPayload:
         evict: ``decide_on: worker``: req_id -> ``k``, the tokens to evict before this step's
             forward; the worker picks which (:mod:`vtoken.decider`) and moves K/V and policy
             state itself, so ``src``/``dst`` stay empty.
+        unshare: prefix caching, a request's first eviction: req_id -> ``[(block index, old
+            block id, new block id), ...]``: the hashed or shared blocks it may write from now on
+            (docs/integration.md, "Prefix caching"). The worker copies each old block into the
+            new one before any move and puts the new id at that index of the request's row; the
+            old block keeps its hash and contents (other requests still hit it). ``src``/``dst``
+            (``decide_on: scheduler``) already address the new blocks.
     """
 
     src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -90,6 +98,7 @@ class StepPayload:
     score_steps: dict[str, tuple[int, int]] = field(default_factory=dict)
     states: dict[str, WorkerSpec] = field(default_factory=dict)
     evict: dict[str, int] = field(default_factory=dict)
+    unshare: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
     @property
     def num_moves(self) -> int:
@@ -97,11 +106,11 @@ class StepPayload:
 
     def is_empty(self) -> bool:
         return not (self.num_moves or self.truncate or self.offsets or self.scores or self.refill or self.states
-                    or self.evict)
+                    or self.evict or self.unshare)
 
     def __repr__(self) -> str:  # counts only, never token data
         return (
             f"StepPayload(moves={self.num_moves}, truncate={len(self.truncate)}, "
             f"offsets={len(self.offsets)}, scores={len(self.scores)}, refill={len(self.refill)}, "
-            f"states={len(self.states)}, evict={len(self.evict)})"
+            f"states={len(self.states)}, evict={len(self.evict)}, unshare={len(self.unshare)})"
         )

@@ -7,11 +7,11 @@
 the request states, never the scheduler.
 
 Prefix caching (docs/integration.md, "Prefix caching"): vLLM hashes a request's full blocks
-as it allocates them (``cache_blocks``). A block a vToken request may still write (a repack
-target) must never be found by another request, so :meth:`VTokenFullAttentionManager.cache_blocks`
-caches at most the request's protected prefix (``BlockAccounting.cache_cap``) while it can
-evict; the scheduler caches the blocks that stayed clean when the request ends
-(:meth:`VTokenFullAttentionManager.vt_cache_clean_prefix`).
+as it allocates them (``cache_blocks``), as stock vLLM does, until the request first evicts.
+From then on its blocks from its first evictable position on may be written (repack moves,
+new tokens in freed slots), so :meth:`VTokenFullAttentionManager.cache_blocks` caches only the
+blocks below it (``BlockAccounting.cache_cap``, set by the scheduler at the first eviction, when
+it also copies the cached blocks the request keeps past it into private ones).
 
 The allocation hooks run for every scheduled request in every step, so they read
 :attr:`BlockAccounting.deltas` (the offset of each request that has evicted, kept in step by
@@ -58,8 +58,9 @@ class BlockAccounting:
     def __init__(self, states: Mapping[str, RequestState], block_size: int):
         self.states = states
         self.block_size = block_size
-        #: request id -> tokens of its prefix vLLM may hash while the request runs (prefix
-        #: caching on and the request may evict); absent: no limit (stock caching).
+        #: request id -> tokens of its prefix vLLM may still hash (prefix caching on, set at the
+        #: request's first eviction: its never-evicted prefix, whole blocks); absent: no limit
+        #: (stock caching: it has evicted nothing).
         self.cache_cap: dict[str, int] = {}
         #: request id -> :meth:`delta` as the KV manager's hot path reads it: the offset of a
         #: ``mode: vtoken`` request that has evicted (``num_logical - num_live > 0``),
@@ -144,25 +145,12 @@ class VTokenFullAttentionManager(FullAttentionManager):
         self._vt_deltas = accounting.deltas
 
     def cache_blocks(self, request, num_tokens, *args, **kwargs):
-        """Stock caching, capped at ``BlockAccounting.cache_cap`` tokens for a request that may
-        evict (its blocks past the cap may be repack targets, so no other request may hit them)."""
+        """Stock caching, capped at ``BlockAccounting.cache_cap`` tokens for a request that has
+        evicted (its blocks past the cap may be written, so no other request may hit them)."""
         cap = self._vt_accounting.cache_cap.get(request.request_id)
         if cap is not None and num_tokens > cap:
             num_tokens = cap
         return super().cache_blocks(request, num_tokens, *args, **kwargs)
-
-    def vt_cache_clean_prefix(self, request, num_tokens: int) -> int:
-        """Cache the request's first ``num_tokens`` tokens' full blocks (stock hashing), past the cap.
-
-        Called by the scheduler just before the request's blocks are freed, with the length of
-        its clean prefix (KV computed over the full context, at its own slot). Returns the
-        number of blocks newly cached.
-        """
-        before = self.num_cached_block.get(request.request_id, 0)
-        if num_tokens // self.block_size <= before:
-            return 0
-        super().cache_blocks(request, num_tokens, replay_boundaries=())
-        return self.num_cached_block.get(request.request_id, 0) - before
 
     def vt_free_tail(self, request_id: str, keep: int) -> list:
         """Hand the request's blocks past its first ``keep`` back to vLLM's block pool (an

@@ -4,9 +4,10 @@
 that every held block's ``ref_cnt`` equals the number of requests holding it (1, or the
 sharers of a prefix-cache block, which the pool counts once), that free + distinct held
 blocks == the pool, that each scheduled request holds exactly the blocks the accounting
-says, and, with prefix caching, that a request that may evict holds only private, unhashed
-blocks past its protected prefix, keeps that prefix at its own slots, and that every block a repack
-move writes is held by the request that planned it alone, unhashed (a move of a request
+says, and, with prefix caching, that a request that has evicted holds only private, unhashed
+blocks past its never-evicted prefix, keeps its protected prefix at its own slots, and that every
+block a repack move or a copy of a cached block writes is held by the request that planned it
+alone, unhashed (a move of a request
 preempted in the same ``schedule()`` is dropped from the payload). It also checks the figures the
 hot paths keep on the side: the KV manager's delta per request (``BlockAccounting.deltas``) and,
 under ``decide_on: worker``, each request row's blocks held and derived columns
@@ -89,11 +90,12 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
         if P and hasattr(st.table, "logical_pos"):  # decide_on: worker: the table is counts only
             lp = st.table.logical_pos
             assert (lp[:P] == np.arange(P)).all(), f"{rid}: a slot of the protected prefix [0, {P}) was written"
-        if rid in accounting.cache_cap:
-            for i, b in enumerate(req_to_blocks.get(rid, ())[P // bs:], start=P // bs):
+        cap = accounting.cache_cap.get(rid)
+        if cap is not None:  # it has evicted: every block from its first evictable position on is its own
+            for i, b in enumerate(req_to_blocks.get(rid, ())[cap // bs:], start=cap // bs):
                 assert b.ref_cnt == 1 and b.block_hash is None, (
-                    f"{rid}: block {b.block_id} (index {i}) past the protected prefix ({P} tokens) is "
-                    f"{'shared' if b.ref_cnt > 1 else 'hashed'}; it may be a repack target"
+                    f"{rid}: block {b.block_id} (index {i}) past its never-evicted prefix ({cap} tokens) is "
+                    f"{'shared' if b.ref_cnt > 1 else 'hashed'}; it may be written"
                 )
         if rid in scheduled:
             n = len(req_to_blocks.get(rid, ()))
@@ -102,6 +104,13 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
                 f"{rid}: holds {n} blocks, expected {exp} (mode={st.cfg.mode}, live={st.table.num_live}, "
                 f"logical={st.table.num_logical}, naive={st.naive.num_retained_blocks})"
             )
+    for rid, pairs in (getattr(moves, "unshare", None) or {}).items():
+        blocks = req_to_blocks.get(rid, ())
+        for i, old, new in pairs:
+            b = by_id.get(new) or block_pool.blocks[new]
+            assert i < len(blocks) and blocks[i].block_id == new and holders.get(new) == [rid] and b.block_hash is None, (
+                f"{rid}: the copy of cached block {old} goes to block {new} (index {i}), which is not its own "
+                f"unhashed block (held by {holders.get(new)}, hash {b.block_hash})")
     if moves is not None and len(getattr(moves, "dst", ())):
         for bid in np.unique(np.asarray(moves.dst) // bs).tolist():
             owner = move_owners.get(bid)

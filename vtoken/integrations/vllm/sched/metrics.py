@@ -23,6 +23,8 @@ name                                kind     meaning
 ``vtoken:pressure_events_total``    counter  pressure pacing: steps where the pool was short
 ``vtoken:pressure_evictions_total`` counter  pressure pacing: eviction events under pressure
 ``vtoken:shortfalls_covered_total`` counter  pressure pacing: short steps fully covered (preemptions avoided)
+``vtoken:unshared_blocks_total``    counter  prefix caching: cached blocks copied into private ones at a first eviction
+``vtoken:unshare_deferred_total``   counter  prefix caching: first evictions deferred (no free blocks for the copies)
 ==================================  =======  =================================================
 
 Gauges are the state after the last ``schedule()`` (and after the engine goes idle: the
@@ -97,6 +99,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:shortfalls_covered": ("shortfalls_covered",
                                   "Pressure pacing: short steps whose whole shortfall eviction freed, before vLLM "
                                   "had to preempt (preemptions avoided)."),
+    "vtoken:unshared_blocks": ("unshared_blocks",
+                               "Prefix caching: hashed or shared blocks a request copied into private blocks at its "
+                               "first eviction (the cached block stays in the cache for other requests)."),
+    "vtoken:unshare_deferred": ("unshare_deferred",
+                                "Prefix caching: first evictions deferred because the free blocks could not cover "
+                                "the copies of the cached blocks (the request keeps its tokens until its next eviction)."),
     "vtoken:request_faults": ("request_faults",
                               "Requests whose eviction was turned off by a fault confined to them (see the log)."),
 }
@@ -116,6 +124,8 @@ UNITS: dict[str, str] = {
     "vtoken:repack_seconds": "seconds",
     "vtoken:preemption_resets": "requests",
     "vtoken:request_faults": "requests",
+    "vtoken:unshared_blocks": "blocks",
+    "vtoken:unshare_deferred": "events",
     "vtoken:tokens_above_budget": "tokens",
     "vtoken:pressure_events": "steps",
     "vtoken:pressure_evictions": "events",

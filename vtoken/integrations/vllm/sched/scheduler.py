@@ -115,6 +115,9 @@ class VTokenSchedulerMixin:
         self._vt_gauges_at = float("-inf")
         #: requests the stock schedule() preempted in this step (decide_on: worker drops their evictions)
         self._vt_preempted_now: set[str] = set()
+        #: prefix caching: tail blocks vToken returned to the pool in this schedule() (this step's
+        #: moves may still read them, so a copy of a cached block never goes to one)
+        self._vt_released_now: list = []
         self._vt_lag = SCORE_LAG_ASYNC if isinstance(self, AsyncScheduler) and not self._vt_worker else SCORE_LAG_SYNC
         self._vt_req_cfg: dict[str, Optional[VTokenConfig]] = {}
         self._vt_offset_updates: dict[str, int] = {}
@@ -161,10 +164,6 @@ class VTokenSchedulerMixin:
             self.vt_stats.request_faults += 1
             cfg = None
         self._vt_req_cfg[request.request_id] = cfg
-        if self._vt_caching and cfg is not None and self._vt_may_evict(cfg, request):
-            # Blocks past this cap may become repack targets: vLLM must not hash them while the
-            # request runs (docs/integration.md, "Prefix caching").
-            self._vt_accounting.cache_cap[request.request_id] = self._vt_prompt_protected(cfg, request)
         super().add_request(request)
 
     @staticmethod
@@ -185,9 +184,9 @@ class VTokenSchedulerMixin:
         return prompt_len + max_tokens > keep
 
     def _vt_prompt_protected(self, cfg: VTokenConfig, request) -> int:
-        """Prefix caching, a request that may evict: the prompt tokens protected whatever the cache
-        holds, a function of the request alone: its full prompt blocks under
-        ``protect_cached_prefix`` (vLLM caches exactly those), else none."""
+        """Prefix caching, a request that may evict: the prompt tokens it never evicts, a function
+        of the request alone (never of what the cache holds): its full prompt blocks under
+        ``protect_cached_prefix`` (they stay shared with every request that hits them), else none."""
         if not cfg.protect_cached_prefix:
             return 0
         return request.num_prompt_tokens // self._vt_bs * self._vt_bs
@@ -226,6 +225,10 @@ class VTokenSchedulerMixin:
         st.recent = pol.recent_tokens
         # Prefix-cache hit: num_computed_tokens already counts this step's tokens. The hit
         # tokens sit in the request's first blocks (slots == positions), computed by others.
+        # A hit supplies the KV the request would have computed; its first eviction copies the
+        # cached blocks it may write (_vt_ready_to_evict). A policy whose state needs the
+        # statistics of the prompt's tokens (prompt_statistics: H2O's column sums ...) never got
+        # the hit's, so the hit is kept (protected): its blocks stay shared, never copied.
         hit = max(0, request.num_computed_tokens - scheduled)
         if hit:
             st.cached_tokens = hit
@@ -234,7 +237,8 @@ class VTokenSchedulerMixin:
             st.pstate.reset_slots(0, hit)
         if self._vt_caching and st.may_evict:
             bs = self._vt_bs
-            st.protected = max(self._vt_prompt_protected(cfg, request), hit // bs * bs)
+            st.protected = max(self._vt_prompt_protected(cfg, request),
+                               hit // bs * bs if pol.prompt_statistics else 0)
         st.floor = max(pol.sink_tokens, st.protected)
         self._vt_states[rid] = st
         self._vt_accounting.track(rid, st)
@@ -309,6 +313,8 @@ class VTokenSchedulerMixin:
         if self._vt_worker:
             return self._vt_schedule_counts(*args, **kwargs)
         payload = StepPayload()
+        self._vt_released_now = []
+        self._vt_preempted_now.clear()
         # this step's moves per planning request, kept apart until the stock schedule() ran
         srcs: list[np.ndarray] = []
         dsts: list[np.ndarray] = []
@@ -339,7 +345,8 @@ class VTokenSchedulerMixin:
                 continue
             try:
                 st.evict_log.append((st.decode_steps + 1, k))
-                self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by)
+                if self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by) is False:
+                    st.evict_log.pop()  # deferred (prefix caching: no free blocks for its copies)
             except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
                 self._vt_fault(req.request_id, st, e)
         self.vt_stats.repack_seconds += time.perf_counter() - t0
@@ -401,6 +408,7 @@ class VTokenSchedulerMixin:
         states = self._vt_states
         is_async = self._vt_is_async
         self._vt_preempted_now.clear()
+        self._vt_released_now = []
         if self.vt_cfg.pacing == "pressure":
             eligible = []
             for order, req in enumerate(self.running):
@@ -412,7 +420,6 @@ class VTokenSchedulerMixin:
             for _, req, st in eligible:
                 k = plan.get(req.request_id, 0)
                 if k > 0:
-                    st.log_eviction(st.decode_steps + 1, k)
                     try:
                         self._vt_evict_count(req.request_id, st, k, payload)
                     except Exception as e:  # noqa: BLE001 - confined to this request
@@ -567,6 +574,18 @@ class VTokenSchedulerMixin:
             for i in np.flatnonzero(ev).tolist():
                 if self._vt_done_in_flight(running[int(pos[i])]):
                     ev[i] = False
+        if self._vt_caching:  # prefix caching: a first eviction may copy cached blocks (_vt_ready_to_evict)
+            first = ev & (m[C.EVICTED] == 0)
+            if np.count_nonzero(first):
+                ev &= ~first
+                states = self._vt_states
+                for p_i, live_i, budget_i in zip(pos[first].tolist(), live[first].tolist(), m[C.BUDGET, first].tolist()):
+                    rid = rids[p_i]
+                    st = states[rid]
+                    try:
+                        self._vt_evict_count(rid, st, live_i - budget_i, payload)
+                    except Exception as e:  # noqa: BLE001 - confined to this request
+                        self._vt_fault(rid, st, e)
         nev = np.count_nonzero(ev)
         if nev < len(ev):
             if not nev:
@@ -647,6 +666,8 @@ class VTokenSchedulerMixin:
         (a block that another request may be given in this very step). Its tokens are
         re-prefilled anyway: all of them when its state was dropped, its live ones when it
         was kept (:meth:`RequestState.prepare_resume` gives it a new ``generation``)."""
+        for rid in self._vt_preempted_now:  # its copies: the new blocks went back to the pool with it
+            payload.unshare.pop(rid, None)
         keep_src: list[np.ndarray] = []
         keep_dst: list[np.ndarray] = []
         for (rid, st, gen), src, dst in zip(move_by, srcs, dsts):
@@ -668,6 +689,10 @@ class VTokenSchedulerMixin:
         the number of blocks freed."""
         keep = self._vt_accounting.target_blocks(st, upcoming=1)
         tail = self._vt_mgr.vt_free_tail(rid, keep)
+        if self._vt_caching:
+            self._vt_released_now.extend(tail)
+        if tail and rid in payload.unshare:  # (mode naive: copies made past what it keeps)
+            payload.unshare[rid] = [e for e in payload.unshare[rid] if e[0] < keep]
         if tail:
             if self._vt_worker:  # the blocks it holds (sched/counts.py)
                 self._vt_cols.data[C.HELD, st.row] = keep
@@ -696,21 +721,92 @@ class VTokenSchedulerMixin:
             self.vt_stats.moves_dropped_preempted += payload.evict.pop(rid, 0)
             payload.truncate.pop(rid, None)
             payload.kept_blocks.pop(rid, None)
+            payload.unshare.pop(rid, None)
         self._vt_preempted_now.clear()
+
+    def _vt_ready_to_evict(self, rid: str, st: RequestState, live_after: int, payload: StepPayload) -> bool:
+        """Prefix caching: before a request's first eviction, copy the cached blocks it may write.
+
+        The rule (docs/integration.md, "Prefix caching"): a block that is hashed or shared is
+        never written. Until its first eviction a request's blocks hold the KV that any request
+        with the same prefix computes, so vLLM hashes them as they fill, as stock vLLM does.
+        From its first eviction on the request writes its blocks from its first evictable
+        position (``st.floor``: sinks, protected prefix) on: repack moves fill holes, its next
+        tokens go to freed slots. So each hashed or shared block it keeps from index
+        ``floor // B`` on (up to ``cdiv(live_after + 1, B)``, the blocks it keeps; under
+        ``mode: naive`` every block it holds) is replaced now by a fresh private block holding a
+        copy (``payload.unshare``: the worker copies before any move). The old block loses this
+        holder (``ref_cnt`` down) and keeps its hash and contents, so others still hit it; at
+        ``ref_cnt`` 0 it waits in the free queue as an evictable cached block, as a finished
+        request's blocks do. Blocks past what it keeps go back to the pool with the tail, and
+        from now on vLLM hashes only its blocks below ``floor`` (``BlockAccounting.cache_cap``),
+        which nothing writes. A hit is therefore never protected: tokens do not depend on the
+        cache.
+
+        The copies need fresh blocks in this step, and never a tail block that went back to the
+        pool earlier in this step: this step's moves may still read that one after the copies
+        wrote it (vLLM reuses a freed unhashed block first, ``BlockPool.free_blocks``). Those are
+        set aside from the free queue while the copies' blocks are taken, and put back. When the
+        other free blocks do not cover the copies, the eviction is deferred
+        (``vtoken:unshare_deferred_total``): the request keeps its tokens for now and tries
+        again at its next eviction; under pool pressure vLLM may preempt it or another request
+        instead, as it would without vToken.
+
+        Returns:
+            True when the eviction may go ahead (no prefix caching, not the first eviction, no
+            cached block to copy, or copied), False when deferred.
+        """
+        if not self._vt_caching or rid in self._vt_accounting.cache_cap:
+            return True
+        bs = self._vt_bs
+        blocks = self._vt_mgr.req_to_blocks.get(rid, [])
+        lo = st.floor // bs
+        keep = len(blocks) if st.cfg.mode == "naive" else min(len(blocks), cdiv(live_after + 1, bs))
+        idx = [i for i in range(lo, keep) if blocks[i].block_hash is not None or blocks[i].ref_cnt > 1]
+        if idx:
+            pool = self.kv_cache_manager.block_pool
+            queue = pool.free_block_queue
+            aside = [b for b in self._vt_released_now if b.ref_cnt == 0]  # (in the free queue)
+            for b in aside:
+                queue.remove(b)
+            try:
+                if len(idx) > pool.get_num_free_blocks():
+                    self.vt_stats.unshare_deferred += 1
+                    return False
+                new = pool.get_new_blocks(len(idx))
+            finally:  # back where vLLM put them: unhashed first in line, hashed last
+                queue.prepend_n([b for b in aside if b.block_hash is None])
+                queue.append_n([b for b in aside if b.block_hash is not None])
+            old = [blocks[i] for i in idx]
+            for i, b in zip(idx, new):
+                blocks[i] = b
+            pool.free_blocks(old)
+            payload.unshare[rid] = [(i, o.block_id, b.block_id) for i, o, b in zip(idx, old, new)]
+            payload.kept_blocks[rid] = [b.block_id for b in blocks]
+            self.vt_stats.unshared_blocks += len(idx)
+            if self._vt_check:
+                for i, b in zip(idx, new):
+                    self._vt_move_owners[b.block_id] = (rid, i, st.protected, st.clean_len)
+        self._vt_accounting.cache_cap[rid] = lo * bs
+        return True
 
     def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload) -> None:
         """``decide_on: worker``: evict ``k`` tokens of ``rid`` in counts; the worker picks which.
 
-        ``k`` is capped at the tokens no protection covers (:func:`vtoken.protocol.evictable`),
-        which is what the worker's selection evicts; the request's tail blocks past
-        ``cdiv(live + 1, B)`` go back to the pool now, as under ``decide_on: scheduler``.
-        Prefix caching: positions below ``max(sinks, protected)`` are never evicted and their
-        slots never written (slot == position there), so the clean prefix hashed at finish is at
-        least that long; the worker keeps which positions went, so that bound is the one used.
+        ``k`` (logged as asked, :meth:`RequestState.log_eviction`) is capped at the tokens no
+        protection covers (:func:`vtoken.protocol.evictable`), which is what the worker's
+        selection evicts; the request's tail blocks past ``cdiv(live + 1, B)`` go back to the
+        pool now, as under ``decide_on: scheduler``. Prefix caching: a first eviction first
+        copies the cached blocks the request may write (:meth:`_vt_ready_to_evict`), or is
+        deferred (nothing logged).
         """
         table = st.table
         bound = st.floor  # max(sink_tokens, protected): positions below it are never evicted
+        asked = k
         k = min(k, evictable(table.num_live, table.num_logical, 0, st.recent, bound))
+        if k > 0 and not self._vt_ready_to_evict(rid, st, table.num_live - k, payload):
+            return
+        st.log_eviction(st.decode_steps + 1, asked)
         if k <= 0:
             return
         table.evict(k)
@@ -739,12 +835,16 @@ class VTokenSchedulerMixin:
         rid = req.request_id
         if st.resuming:  # live slots below vLLM's position of this chunk (minus the offset) are done
             done = req.num_computed_tokens - n - st.table.offset
-            if st.refill == st.table.num_live and done > st.protected and self._vt_caching and st.may_evict:
+            if (st.refill == st.table.num_live and done > st.protected and self._vt_caching and st.may_evict
+                    and st.policy.prompt_statistics):
                 # The resume's first chunk hit the prefix cache. vLLM looks up only a request
                 # that resumes at num_computed_tokens 0, i.e. one that has evicted nothing, so
-                # slots == positions and protecting the hit now equals protecting it from the
-                # start (the oracle takes the final ``protected``): hit blocks may be shared.
+                # slots == positions and the hit is the KV it computed; a policy that needs the
+                # prompt's statistics keeps the hit, as at admission (_vt_state), and
+                # protecting it now equals protecting it from the start (the oracle takes the
+                # final ``protected``).
                 st.protected = done // self._vt_bs * self._vt_bs
+                st.floor = max(st.policy.sink_tokens, st.protected)
             st.refill = max(0, st.table.num_live - done)
         r = min(n, st.refill)
         if r:
@@ -810,13 +910,19 @@ class VTokenSchedulerMixin:
                          moves=getattr(out, "vtoken", None), move_owners=self._vt_move_owners)
 
     def _vt_evict(self, rid: str, st: RequestState, k: int, payload: StepPayload,
-                  srcs: list[np.ndarray], dsts: list[np.ndarray], move_by: list[tuple[str, RequestState, int]]) -> None:
+                  srcs: list[np.ndarray], dsts: list[np.ndarray],
+                  move_by: list[tuple[str, RequestState, int]]) -> Optional[bool]:
+        """``decide_on: scheduler``: evict up to ``k`` tokens of ``rid`` (the policy's victims), plan
+        the repack moves into ``srcs``/``dsts`` and free the tail blocks. Returns False when the
+        eviction was deferred (:meth:`_vt_ready_to_evict`), else None."""
         table = st.table
         view = TokenView(logical_pos=table.logical_pos, num_logical=table.num_logical, prompt_len=st.prompt_len,
                          protected_prefix=st.protected)
         victims = st.policy.select_victims(st.pstate, view, k)
         if len(victims) == 0:
-            return
+            return None
+        if not self._vt_ready_to_evict(rid, st, table.num_live - len(victims), payload):
+            return False
         positions = table.logical_pos[victims].copy()
         first_dead = int(positions.min())
         st.clean_len = min(table.num_logical if st.clean_len is None else st.clean_len, first_dead)
@@ -831,7 +937,7 @@ class VTokenSchedulerMixin:
             srcs.append(ids[plan.src // bs] * bs + plan.src % bs)
             dsts.append(ids[plan.dst // bs] * bs + plan.dst % bs)
             move_by.append((rid, st, st.generation))
-            # no block at or past this slot is ever hashed for this request (_vt_cache_clean_prefix)
+            # (the smallest slot a move wrote: the trace and the checks' messages)
             st.min_dst_slot = min(st.min_dst_slot, int(plan.dst.min()))
             if self._vt_check:
                 for i in np.unique(plan.dst // bs).tolist():
@@ -884,8 +990,6 @@ class VTokenSchedulerMixin:
     def _free_request_blocks(self, request):
         rid = request.request_id
         st = self._vt_states.get(rid)
-        if self._vt_caching and rid in self._vt_accounting.cache_cap:
-            self._vt_cache_clean_prefix(request)
         super()._free_request_blocks(request)
         if (st is not None and not request.is_finished() and st.cfg.mode == "vtoken" and (st.decoding or st.resuming)
                 and not self._vt_worker):
@@ -894,6 +998,8 @@ class VTokenSchedulerMixin:
             self.vt_stats.preemption_resets += 1
             return
         st = self._vt_states.pop(rid, None)
+        # a dropped state restarts from its prompt, clean: vLLM hashes its blocks again as they fill
+        self._vt_accounting.cache_cap.pop(rid, None)
         if st is not None:
             self._vt_accounting.forget(rid)
             if st.table.offset:
@@ -908,25 +1014,6 @@ class VTokenSchedulerMixin:
         if request.is_finished():
             self._vt_req_cfg.pop(rid, None)
             self._vt_accounting.cache_cap.pop(rid, None)
-
-    def _vt_cache_clean_prefix(self, request) -> None:
-        """Before a capped request's blocks go back to the pool (finish or preemption): hash
-        its clean prefix's full blocks the stock way, so later requests (the next turn, a
-        re-prefill) can hit them. Clean: KV computed over the full context (before the first
-        eviction) and still at its own slot (below the first evicted position)."""
-        st = self._vt_states.get(request.request_id)
-        if st is None:
-            return
-        n = st.table.num_live if st.clean_len is None else st.clean_len
-        # Never a block that a repack move wrote or will write: under async scheduling the
-        # step planned after the last processed one may still carry moves for this request
-        # when it finishes (stop token, abort) and is applied after this. clean_len <= the
-        # first moved-into slot by construction; the bound makes it explicit.
-        # A request preempted again while it re-prefills (resuming) has KV for its first
-        # num_live - refill slots only.
-        n = min(n, st.min_dst_slot, st.table.num_live - st.refill, request.num_tokens,
-                len(request.block_hashes) * self.kv_cache_manager.block_pool.hash_block_size)
-        self.vt_stats.prefix_blocks_cached_at_finish += self._vt_mgr.vt_cache_clean_prefix(request, n)
 
     def _preempt_request(self, request, *args, **kwargs):
         """vLLM's preemption, then: a request whose state was kept resumes at its offset.

@@ -70,10 +70,10 @@ class RequestState:
     score_every: int = 1
     recent: int = 0
     floor: int = 0
-    #: prefix caching: the first ``protected`` logical positions are never evicted (tokens,
-    #: a multiple of the block size): the blocks the request got from the prefix cache and,
-    #: with ``protect_cached_prefix``, its own full prompt blocks. Slots ``< protected`` hold
-    #: their own position for ever, so those blocks are never written by a repack.
+    #: prefix caching with ``protect_cached_prefix``: the first ``protected`` logical positions
+    #: (its full prompt blocks, a multiple of the block size) are never evicted. Slots
+    #: ``< protected`` hold their own position for ever, so those blocks are never written and
+    #: stay shared with every request that hits them.
     protected: int = 0
     #: prefix-cache hit when this state was made (tokens whose KV came from cached blocks).
     cached_tokens: int = 0
@@ -161,9 +161,11 @@ class VTokenStats:
     repack_seconds: float = 0.0
     preemption_resets: int = 0
     request_faults: int = 0
-    #: prefix caching: blocks of finished requests added to the prefix cache by vToken
-    #: (blocks that stayed clean but were kept out of the cache while the request could evict)
-    prefix_blocks_cached_at_finish: int = 0
+    #: prefix caching: hashed or shared blocks a request copied into private ones at its first
+    #: eviction (the cached block stays for others)
+    unshared_blocks: int = 0
+    #: prefix caching: first evictions deferred because the free blocks could not cover the copies
+    unshare_deferred: int = 0
     #: repack moves left off a step's payload because the stock schedule() preempted their
     #: request after they were planned (its blocks were already back in the pool)
     moves_dropped_preempted: int = 0

@@ -78,6 +78,8 @@ class VTokenWorkerCore:
         self.test_dir = os.environ.get("VTOKEN_TEST_WORKER_DIR") or None
         #: decide_on: worker (made on the first payload that announces a request state)
         self.decisions: Optional[WorkerDecisions] = None
+        #: prefix caching: cached blocks copied into private ones (:meth:`copy_blocks`)
+        self.copied_blocks = 0
 
     # -------------------------------------------------------------- set-up
     def check_layers(self, model_name: str) -> None:
@@ -149,6 +151,8 @@ class VTokenWorkerCore:
                                              kv_bytes=sum(t.numel() * t.element_size() for t, _ in caches),
                                              num_layers=len(caches), num_kv_heads=kv.shape[1])
             self.decisions.key_reader = self.key_similarity_sets
+        if payload is not None and payload.unshare:
+            self.copy_blocks(payload.unshare)
         if self.decisions is not None and scheduler_output is not None:
             for gran, src, dst, sets in self.decisions.begin(scheduler_output, payload):
                 self._apply_set_moves(gran, src, dst, sets)
@@ -169,6 +173,26 @@ class VTokenWorkerCore:
             self.score_reqs = {}
             self.refill = {}
         self.forget(finished)
+
+    def copy_blocks(self, unshare: dict[str, list[tuple[int, int, int]]]) -> None:
+        """Prefix caching, a request's first eviction (``StepPayload.unshare``): copy each cached
+        block into its new private block, every slot, in every layer and KV head and in the
+        side caches of ``decide_on: worker``, as one gather-then-scatter batch (a block one copy
+        reads may be another copy's target in the same step), before any move of the step."""
+        pairs = [(old, new) for entries in unshare.values() for _, old, new in entries]
+        if not pairs:
+            return
+        caches = self.kv_caches()
+        bs = caches[0][0].shape[2]  # every layout's view: [num_blocks, H, block_size, 2*hd]
+        ids = torch.tensor(pairs, dtype=torch.int64)
+        offs = torch.arange(bs, dtype=torch.int64)
+        src = (ids[:, 0, None] * bs + offs).reshape(-1)
+        dst = (ids[:, 1, None] * bs + offs).reshape(-1)
+        for kv, lay in caches:
+            lay.move_tokens(kv, src.to(kv.device), dst.to(kv.device))
+        if self.decisions is not None:
+            self.decisions.copy_slots(src, dst)
+        self.copied_blocks += len(pairs)
 
     def _apply_set_moves(self, gran: str, src: torch.Tensor, dst: torch.Tensor, sets: torch.Tensor) -> None:
         """Apply one group's K/V moves to the (layer, KV head) pairs each move's token set covers

@@ -171,6 +171,11 @@ class WorkerDecisions:
                             b, b * self.num_slots / 2**20,
                             100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
             self.where[rid] = (g, g.add(), spec)
+        for rid, entries in payload.unshare.items():  # (copied by the caller before this)
+            got = self.where.get(rid)
+            if got is not None:
+                for i, _, new in entries:
+                    got[0].bt[got[1], i] = new
         moves = self._evict(payload.evict) if payload.evict else []
         for rid, keep in payload.truncate.items():
             got = self.where.get(rid)
@@ -183,6 +188,12 @@ class WorkerDecisions:
                 counts[rid] = counts.get(rid, 0) + spec.cached_tokens
         self._append(counts)
         return moves
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every group's side-cache state (every token set) of global slots ``src`` to ``dst``
+        (int64 ``[M]``; prefix caching's block copies, ``VTokenWorkerCore.copy_blocks``)."""
+        for g in self.groups.values():
+            g.dec.side.move(src.to(g.dec.live.device), dst.to(g.dec.live.device))
 
     def _by_group(self, rids) -> dict[int, tuple[_Group, list[int], list[str]]]:
         out: dict[int, tuple[_Group, list[int], list[str]]] = {}

@@ -5,8 +5,9 @@ Seams (patches/ entries under ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
 
 * ``_update_states``: before the stock method (so before the forward and any KV write),
   :meth:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore.begin_step` applies the
-  moves; the request's ``block_ids`` and its row of the input batch's block table are cut
-  to the kept prefix.
+  cached blocks' copies and the moves; the request's ``block_ids`` and its row of the input
+  batch's block table get the copies' block ids (``payload.unshare``) and are cut to the kept
+  prefix.
 * ``_prepare_inputs``: after the stock method, ``seq_lens`` (and the pinned
   ``optimistic_seq_lens_cpu``) and the slot mapping become physical (``position - offset``)
   while ``positions`` stay logical. The V1 sampler reads neither buffer, so subtracting in
@@ -64,12 +65,16 @@ class VTokenV1Adapter:
                     self._vt.dump_kv_digest(rid, list(rs.block_ids[0]), rs.num_computed_tokens - self._vt.offsets.get(rid, 0))
         self._vt.begin_step(p, scheduler_output.finished_req_ids, scheduler_output)
         if p is not None:
-            for rid, keep in p.truncate.items():
+            for rid in p.truncate.keys() | p.unshare.keys():
                 rs = self.requests.get(rid)
                 if rs is None:
                     continue
-                for ids in rs.block_ids:
-                    del ids[keep:]
+                for i, _, new in p.unshare.get(rid, ()):  # prefix caching: a cached block's private copy
+                    rs.block_ids[0][i] = new
+                keep = p.truncate.get(rid)
+                if keep is not None:
+                    for ids in rs.block_ids:
+                        del ids[keep:]
                 idx = self.input_batch.req_id_to_index.get(rid)
                 if idx is not None:
                     self.input_batch.block_table.add_row(rs.block_ids, idx)
