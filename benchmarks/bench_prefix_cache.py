@@ -100,6 +100,39 @@ def _block_bytes(block_size: int = 32, dtype_bytes: int = 2) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * block_size * dtype_bytes
 
 
+def copy_cost(num_blocks: int, copies: int = 4, reps: int = 30) -> dict:
+    """Time of the K/V part of ``VTokenWorkerCore.copy_blocks`` on this CPU for the served model:
+    ``copies`` blocks copied in every layer through the probed CPU layout (``move_tokens``, as the
+    worker does), median of ``reps`` (ms). The side caches of ``decide_on: worker`` add a few
+    bytes per slot and are left out."""
+    import statistics
+
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vtoken.assets.paths import smollm2_dir
+    from vtoken.integrations.vllm.worker.kv_layout import cpu_kv_layout
+
+    c = json.loads((Path(smollm2_dir()) / "config.json").read_text())
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    heads, layers, bs = c["num_key_value_heads"], c["num_hidden_layers"], 32
+    isa = _get_attn_isa(torch.bfloat16, bs, hd)
+    lay = cpu_kv_layout(torch.bfloat16, isa, bs, hd, heads)
+    caches = [torch.randn(num_blocks, heads, bs, 2 * hd).to(torch.bfloat16) for _ in range(layers)]
+    offs = torch.arange(bs)
+    src = (torch.arange(copies)[:, None] * bs + offs).reshape(-1)
+    dst = ((torch.arange(copies) + copies)[:, None] * bs + offs).reshape(-1)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for kv in caches:
+            lay.move_tokens(kv, src, dst)
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    return dict(copies=copies, layers=layers, isa=isa, ms_median=ms, ms_per_block=ms / copies,
+                bytes_per_block=_block_bytes(bs))
+
+
 def run_arm(name: str, vt, args, convs) -> dict:
     from vtoken.assets.paths import smollm2_dir
 
@@ -209,8 +242,12 @@ def main(argv=None) -> int:
     results = []
     for name, cfg in tqdm(arms, desc="arms", unit="server"):
         results.append(run_arm(name, cfg, args, convs))
+    cost = copy_cost(args.blocks)
+    for r in results:  # the copies' time over the run, from the measured time per block
+        if r["unshared_blocks"] is not None:
+            r["copy_ms_est"] = r["unshared_blocks"] * cost["ms_per_block"]
     write_json(Path(args.out), dict(meta=run_metadata(), args=vars(args), system_prompt_chars=len(SYSTEM),
-                                    arms=results))
+                                    arms=results, copy_cost=cost, load_average_1m=os.getloadavg()[0]))
     return 0
 
 

@@ -229,6 +229,31 @@ def quality_granularity_table(name: str = "quality_granularity.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+PREFIX_ARMS = (("stock", "stock vLLM"), ("vtoken", "vToken H2O (keeps its hit)"),
+               ("vtoken_tova", "vToken TOVA (copies its hit)"),
+               ("vtoken_keydiff", "vToken KeyDiff, `decide_on: worker` (copies its hit)"),
+               ("vtoken_protect_prompt", "vToken H2O, `protect_cached_prefix: true`"))
+
+
+def prefix_cache_table(name: str = "prefix_cache_sharegpt.json") -> str:
+    """``bench_prefix_cache.py``: per arm, vLLM's prefix-cache hit rate, blocks held by running
+    requests (time mean / peak), tokens evicted, cached blocks copied at first evictions (and
+    their MB), and the copies' time over the run (blocks x the measured ms per block)."""
+    d = _load(name)
+    arms = {a["arm"]: a for a in d["arms"]}
+    mb = d["copy_cost"]["bytes_per_block"] / 2**20
+    rows = ["| arm | hit rate | blocks mean / peak | evicted tokens | cached blocks copied (MB) | copy time | wall |",
+            "|---|---|---|---|---|---|---|"]
+    for arm, label in PREFIX_ARMS:
+        a = arms[arm]
+        ev = "-" if a["evicted_tokens"] is None else f"{a['evicted_tokens']:,.0f}"
+        cp = "-" if a["unshared_blocks"] is None else f"{a['unshared_blocks']:.0f} ({a['unshared_blocks'] * mb:.0f})"
+        ct = "-" if a.get("copy_ms_est") is None else f"{a['copy_ms_est']:.0f} ms"
+        rows.append(f"| {label} | {a['prefix_cache_hit_rate'] * 100:.0f} % | {a['blocks_mean']:.1f} / "
+                    f"{a['blocks_peak']:.0f} | {ev} | {cp} | {ct} | {a['wall_s']:.1f} s |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -240,7 +265,8 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json"),
           "scheduler_table": scheduler_table, "granularity_cost_table": granularity_cost_table,
           "quality_granularity_table": quality_granularity_table,
-          "overhead_policies_table": lambda: overhead_table("overhead_policies.json")}
+          "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
+          "prefix_cache_table": prefix_cache_table}
 
 
 if __name__ == "__main__":
