@@ -661,9 +661,9 @@ class VTokenSchedulerMixin:
     def _vt_collect_moves(self, payload: StepPayload, srcs: list[np.ndarray], dsts: list[np.ndarray],
                           move_by: list[tuple[str, RequestState, int]]) -> None:
         """Put this step's moves on the payload, except those of a request that the stock
-        ``schedule()`` preempted after they were planned: its blocks went back to the pool
-        (its clean prefix hashed first), so a move would write a block it no longer holds
-        (a block that another request may be given in this very step). Its tokens are
+        ``schedule()`` preempted after they were planned: its blocks went back to the pool, so a
+        move would write a block it no longer holds (a block that another request may be given
+        in this very step); its copies of cached blocks are dropped likewise. Its tokens are
         re-prefilled anyway: all of them when its state was dropped, its live ones when it
         was kept (:meth:`RequestState.prepare_resume` gives it a new ``generation``)."""
         for rid in self._vt_preempted_now:  # its copies: the new blocks went back to the pool with it
