@@ -153,6 +153,13 @@ class VTokenConfig(BaseModel):
         "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv head; tova layer; random, streaming request) under "
         "decide_on worker, request under decide_on scheduler; anything but request needs decide_on worker",
     )
+    prefill_eviction: Literal["after", "chunks"] = Field(
+        "after",
+        description="when a long prompt is cut to the budget. after: at the first decode step, the whole prompt held "
+        "until then; chunks: between prefill chunks too (vLLM's chunked prefill, --max-num-batched-tokens sets the "
+        "chunk), so a request never holds more than about budget + chunk tokens. chunks needs decide_on worker and "
+        "pacing fixed (docs/device-decisions.md, \"Eviction between prefill chunks\")",
+    )
     protect_cached_prefix: bool = Field(
         False,
         description="with vLLM prefix caching on: true: never evict a request's full prompt blocks, so they are "
@@ -215,6 +222,11 @@ class VTokenConfig(BaseModel):
                 f"live in the worker's side cache), got vtoken.decide_on = {self.decide_on!r}; allowed with "
                 "decide_on scheduler: granularity 'request' (or leave it unset)"
             )
+        if self.prefill_eviction == "chunks" and (self.decide_on != "worker" or self.pacing != "fixed"):
+            raise ValueError(
+                f"vtoken.prefill_eviction = 'chunks' needs vtoken.decide_on = 'worker' and vtoken.pacing = 'fixed' "
+                f"(each chunk's statistics are folded on the worker in its own step), got decide_on = "
+                f"{self.decide_on!r}, pacing = {self.pacing!r}; allowed otherwise: prefill_eviction 'after'")
         sinks, recent = self.protections()
         if self.budget_ratio is None and sinks + recent > self.budget:
             raise ValueError(

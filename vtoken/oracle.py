@@ -132,6 +132,9 @@ class OracleResult:
     logits: Optional[list[torch.Tensor]] = None
     live_positions_sets: Optional[list[np.ndarray]] = None
     evicted_positions_sets: Optional[list[list[np.ndarray]]] = None
+    #: ``prefill_eviction: chunks``: per prefill chunk boundary, the logical positions evicted
+    #: before the next chunk (ascending; token set 0's); empty list otherwise
+    prefill_evicted_positions: Optional[list[np.ndarray]] = None
 
     @property
     def num_evicted(self) -> int:
@@ -388,6 +391,7 @@ def oracle_generate(
     protected_prefix: int = 0,
     evict_schedule: Optional[dict[int, int]] = None,
     preempt_at: Optional[Sequence[int]] = None,
+    prefill_chunks: Optional[Sequence[int]] = None,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
 
@@ -422,6 +426,14 @@ def oracle_generate(
             eviction decision and resumes by re-prefilling its live tokens (module
             docstring); the engine records them (``RequestState.preempt_log``).
             Request granularity only (as ``score_lag != 0``).
+        prefill_chunks: token counts of the prompt's prefill chunks (positive, summing to
+            the prompt length; default: one chunk), as vLLM's chunked prefill scheduled them.
+            Each chunk attends over the live tokens of the chunks before it and itself
+            (causal), and is scored in full, its last query row included (as ``decide_on:
+            worker`` scores every chunk). With ``cfg.prefill_eviction == "chunks"``, before each chunk but
+            the first the request evicts ``num_to_evict(live, budget, slack)`` tokens, as a
+            decode step would (issue "bounded prefill"); their positions are in
+            ``OracleResult.prefill_evicted_positions``. ``score_lag`` 0 only.
 
     Returns:
         :class:`OracleResult`.
@@ -430,7 +442,8 @@ def oracle_generate(
         ValueError: empty prompt, ``max_new_tokens < 1``, a non-eager model, a
             sliding-window cache layer, ``policy`` without ``cfg``, ``score_lag < 0``,
             ``protected_prefix < 0``, or ``score_lag != 0`` / ``preempt_at`` with a
-            granularity other than ``"request"``.
+            granularity other than ``"request"``, ``prefill_chunks`` that are not positive or
+            do not sum to the prompt length, or several chunks with ``score_lag != 0``.
         RuntimeError: the policy returned invalid victims (out of range, duplicates), or
             the token sets evicted different counts.
     """
@@ -445,6 +458,13 @@ def oracle_generate(
         raise ValueError(f"oracle_generate: protected_prefix = {protected_prefix}; allowed: >= 0")
     if policy is not None and cfg is None:
         raise ValueError("oracle_generate: policy given without cfg (budget and slack come from cfg)")
+    chunks = [P] if prefill_chunks is None else [int(c) for c in prefill_chunks]
+    if not chunks or min(chunks) < 1 or sum(chunks) != P:
+        raise ValueError(f"oracle_generate: prefill_chunks = {list(prefill_chunks or ())}; allowed: positive token "
+                         f"counts summing to the prompt length {P}")
+    if len(chunks) > 1 and score_lag:
+        raise ValueError(f"oracle_generate: score_lag = {score_lag} with {len(chunks)} prefill chunks; allowed: "
+                         "score_lag 0 (decide_on: worker folds each chunk's statistics in its own step)")
     preempt_set = {int(d) for d in (preempt_at or ())}
     if any(d < 1 for d in preempt_set):
         raise ValueError(f"oracle_generate: preempt_at = {sorted(preempt_set)}; allowed: decode steps >= 1")
@@ -512,6 +532,7 @@ def oracle_generate(
     res_logits: Optional[list[torch.Tensor]] = [] if return_logits else None
     stop_reason = "length"
     empty = np.zeros(0, dtype=np.int64)
+    res_prefill_evicted: list[np.ndarray] = []
 
     def view_of(s: int) -> TokenView:
         return TokenView(logical_pos=pos[s].copy(), num_logical=num_logical, prompt_len=P,
@@ -570,6 +591,35 @@ def oracle_generate(
             )
         return victims
 
+    def evict(k: int, n: int) -> list[np.ndarray]:
+        """Evict up to ``k`` of the ``n`` live tokens in every token set (the same count in each);
+        returns each set's evicted logical positions."""
+        evicted = [empty] * S
+        if policy.eviction_keys:  # KeyDiff: the cached keys, now
+            for s, sim in enumerate(key_sim_sets(cache, granularity)):
+                policy.observe(states[s], n, AttentionStats(key_sim=sim), view_of(s))
+        victims = [select(s, k) for s in range(S)]
+        counts = sorted({len(v) for v in victims})
+        if len(counts) != 1:
+            raise RuntimeError(
+                f"oracle_generate: the token sets evict different counts {[len(v) for v in victims]} "
+                f"for k={k} (granularity {granularity!r}); every set must evict the same number")
+        if counts[0]:
+            keeps = []
+            for s in range(S):
+                mask = np.ones(n, dtype=bool)
+                mask[victims[s]] = False
+                keeps.append(np.flatnonzero(mask).astype(np.int64))
+                evicted[s] = np.sort(pos[s][victims[s]])
+            if per_set:
+                _evict_sets(cache, [torch.from_numpy(kp).to(device) for kp in keeps], set_of)
+            else:
+                _evict(cache, torch.from_numpy(keeps[0]).to(device))
+            for s in range(S):
+                states[s].compact(keeps[s])
+                pos[s] = pos[s][keeps[s]]
+        return evicted
+
     def sample(logits: torch.Tensor) -> int:
         if res_logits is not None:
             res_logits.append(logits.detach().to(torch.float32).cpu().clone())
@@ -584,10 +634,29 @@ def oracle_generate(
             res_evicted_sets.append(evicted)
 
     with torch.inference_mode():
-        # ---- prefill: the whole prompt, no eviction ----
-        for st in states:
-            st.reset_slots(0, P)
-        tok = sample(forward(prompt, pos[0].copy(), scored=True, step=0))
+        # ---- prefill: chunk by chunk (one chunk by default); with prefill_eviction "chunks"
+        # the request evicts down to its budget before each chunk but the first ----
+        chunked_evict = bool(states) and len(chunks) > 1 and cfg.prefill_eviction == "chunks"
+        pos = [empty.copy() for _ in range(S)]
+        start = 0
+        for ci, q in enumerate(chunks):
+            n = len(pos[0])
+            if ci and chunked_evict:
+                k = num_to_evict(n, budget, slack)
+                ev = evict(k, n) if k > 0 else [empty] * S
+                res_prefill_evicted.append(ev[0])
+                n = len(pos[0])
+            for st in states:
+                st.reset_slots(n, n + q)
+            chunk_pos = np.arange(start, start + q, dtype=np.int64)
+            for s in range(S):
+                pos[s] = np.concatenate([pos[s], chunk_pos])
+            num_logical = start + q
+            # every chunk's statistics in full, its last row included: decide_on worker scores each
+            # chunk's last query row whether or not the chunk samples
+            logits = forward(prompt[start:start + q], chunk_pos, scored=True, step=0)
+            start += q
+        tok = sample(logits)
         record(tok, [empty] * S)
 
         for d in range(1, max_new_tokens):
@@ -603,29 +672,7 @@ def oracle_generate(
                 else:
                     k = num_to_evict(n, budget, slack) if d >= first_evict else 0
                 if k > 0:
-                    if policy.eviction_keys:  # KeyDiff: the cached keys, now
-                        for s, sim in enumerate(key_sim_sets(cache, granularity)):
-                            policy.observe(states[s], n, AttentionStats(key_sim=sim), view_of(s))
-                    victims = [select(s, k) for s in range(S)]
-                    counts = sorted({len(v) for v in victims})
-                    if len(counts) != 1:
-                        raise RuntimeError(
-                            f"oracle_generate: the token sets evict different counts {[len(v) for v in victims]} "
-                            f"for k={k} (granularity {granularity!r}); every set must evict the same number")
-                    if counts[0]:
-                        keeps = []
-                        for s in range(S):
-                            mask = np.ones(n, dtype=bool)
-                            mask[victims[s]] = False
-                            keeps.append(np.flatnonzero(mask).astype(np.int64))
-                            evicted[s] = np.sort(pos[s][victims[s]])
-                        if per_set:
-                            _evict_sets(cache, [torch.from_numpy(kp).to(device) for kp in keeps], set_of)
-                        else:
-                            _evict(cache, torch.from_numpy(keeps[0]).to(device))
-                        for s in range(S):
-                            states[s].compact(keeps[s])
-                            pos[s] = pos[s][keeps[s]]
+                    evicted = evict(k, n)
                 n = len(pos[0])
                 for st in states:
                     st.reset_slots(n, n + 1)
@@ -667,4 +714,5 @@ def oracle_generate(
         logits=res_logits,
         live_positions_sets=[p.copy() for p in pos] if per_set else None,
         evicted_positions_sets=res_evicted_sets,
+        prefill_evicted_positions=res_prefill_evicted,
     )

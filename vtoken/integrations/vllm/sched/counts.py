@@ -49,16 +49,18 @@ COLUMNS = ("live", "logical", "budget", "slack", "floor", "recent", "score_need"
  PEAK_BLOCKS, FULL_BLOCK_STEPS, FULL_PEAK_BLOCKS, EVICTED, CLEAN_LEN, MIN_DST_SLOT, FLAGS, RUN_START, RUN_K,
  RUN_LEN, RUN_LAST, HELD, NAIVE_BLOCKS, THRESHOLD, CAP_OVER, ASK_EVERY) = range(len(COLUMNS))
 #: ``RequestState`` bool fields kept as bits of the ``flags`` column
-FLAG_FIELDS = {"decoding": 1, "may_evict": 2, "faulted": 4}
-DECODING, MAY_EVICT, FAULTED = 1, 2, 4
+FLAG_FIELDS = {"decoding": 1, "may_evict": 2, "faulted": 4, "chunk_evict": 8}
+DECODING, MAY_EVICT, FAULTED, CHUNK_EVICT = 1, 2, 4, 8
 #: a threshold no live count reaches
 NEVER = 1 << 62
 
 
 def threshold(budget, slack, flags):
     """Fixed pacing evicts from a request whose live count exceeds this: ``budget + slack`` once
-    it decodes and may evict and has no fault, else :data:`NEVER` (ints or arrays)."""
-    return np.where((flags & (DECODING | MAY_EVICT | FAULTED)) == (DECODING | MAY_EVICT), budget + slack, NEVER)
+    it decodes (or, with ``prefill_eviction: chunks``, between its prefill chunks) and may evict
+    and has no fault, else :data:`NEVER` (ints or arrays)."""
+    return np.where(((flags & (DECODING | CHUNK_EVICT)) != 0) & ((flags & (MAY_EVICT | FAULTED)) == MAY_EVICT),
+                    budget + slack, NEVER)
 
 
 def derived(row: np.ndarray) -> tuple[int, int, int]:

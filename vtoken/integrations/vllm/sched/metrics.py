@@ -23,6 +23,7 @@ name                                kind     meaning
 ``vtoken:pressure_events_total``    counter  pressure pacing: steps where the pool was short
 ``vtoken:pressure_evictions_total`` counter  pressure pacing: eviction events under pressure
 ``vtoken:shortfalls_covered_total`` counter  pressure pacing: short steps fully covered (preemptions avoided)
+``vtoken:prefill_evictions_total``  counter  prefill_eviction chunks: evictions before a prefill chunk
 ``vtoken:unshared_blocks_total``    counter  prefix caching: cached blocks copied into private ones at a first eviction
 ``vtoken:unshare_deferred_total``   counter  prefix caching: first evictions deferred (no free blocks for the copies)
 ==================================  =======  =================================================
@@ -99,6 +100,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:shortfalls_covered": ("shortfalls_covered",
                                   "Pressure pacing: short steps whose whole shortfall eviction freed, before vLLM "
                                   "had to preempt (preemptions avoided)."),
+    "vtoken:prefill_evictions": ("prefill_evictions",
+                                 "prefill_eviction chunks: eviction events before a prefill chunk (a request cut to "
+                                 "its budget between the chunks of its prompt)."),
     "vtoken:unshared_blocks": ("unshared_blocks",
                                "Prefix caching: hashed or shared blocks a request copied into private blocks at its "
                                "first eviction (the cached block stays in the cache for other requests)."),
@@ -124,6 +128,7 @@ UNITS: dict[str, str] = {
     "vtoken:repack_seconds": "seconds",
     "vtoken:preemption_resets": "requests",
     "vtoken:request_faults": "requests",
+    "vtoken:prefill_evictions": "events",
     "vtoken:unshared_blocks": "blocks",
     "vtoken:unshare_deferred": "events",
     "vtoken:tokens_above_budget": "tokens",

@@ -111,6 +111,8 @@ class VTokenSchedulerMixin:
         #: decide_on: worker: this scheduler computes only how many tokens each request evicts
         #: (counts, CountTable); the worker picks which (docs/device-decisions.md)
         self._vt_worker: bool = self.vt_cfg.decide_on == "worker"
+        #: prefill_eviction: chunks (decide_on: worker, fixed pacing): requests evict between prefill chunks too
+        self._vt_chunks: bool = self.vt_cfg.prefill_eviction == "chunks"
         self._vt_is_async: bool = isinstance(self, AsyncScheduler)
         self._vt_gauges_at = float("-inf")
         #: requests the stock schedule() preempted in this step (decide_on: worker drops their evictions)
@@ -220,6 +222,7 @@ class VTokenSchedulerMixin:
         else:
             st = RequestState(**args, table=TokenTable(self._vt_bs))
         st.may_evict = self._vt_may_evict(cfg, request)
+        st.chunk_evict = cfg.prefill_eviction == "chunks"  # (decide_on: worker, fixed pacing: VTokenConfig)
         st.score_need = pol.needs.value
         st.score_every = cfg.score_every
         st.recent = pol.recent_tokens
@@ -522,8 +525,10 @@ class VTokenSchedulerMixin:
         if not all_decoding:
             # every token has KV once this step ran: the step samples, the prefill is done
             requests = self.requests
+            states = self._vt_states
             for i in np.flatnonzero(decoding == 0).tolist():
                 req = requests[keys[i]]
+                states[keys[i]].chunk_log.append(int(n[i]))
                 if req.num_computed_tokens >= req.num_tokens:
                     flags[i] |= C.DECODING
             m[C.THRESHOLD] = C.threshold(m[C.BUDGET], m[C.SLACK], flags)
@@ -593,7 +598,8 @@ class VTokenSchedulerMixin:
             pos, r, m, view = pos[ev], r[ev], m[:, ev], False
             live = m[C.LIVE]
         k = live - m[C.BUDGET]
-        self._vt_cols.log_evictions(r, m, m[C.DECODE_STEPS], k)  # evict_log: the count asked, before the cap
+        # evict_log: the count asked, before the cap, at decode step d (0: before a prefill chunk)
+        self._vt_cols.log_evictions(r, m, m[C.DECODE_STEPS] - ((m[C.FLAGS] & C.DECODING) == 0), k)
         if np.count_nonzero(m[C.CAP_OVER] > 0):  # (else no protection can cap k: counts.derived)
             # evictable(live, logical, 0, recent, floor): positions below the floor are all live,
             # so min(floor, logical, live) == min(floor, live)
@@ -657,6 +663,8 @@ class VTokenSchedulerMixin:
         stats.evicted_tokens += int(k[0]) * len(k) if uniform else int(np.add.reduce(k))
         stats.freed_blocks += freed
         stats.evictions += len(offsets)
+        if self._vt_chunks:  # prefill_eviction: chunks: the rows that evicted before a prefill chunk
+            stats.prefill_evictions += int(np.count_nonzero((m[C.FLAGS] & C.DECODING) == 0))
 
     def _vt_collect_moves(self, payload: StepPayload, srcs: list[np.ndarray], dsts: list[np.ndarray],
                           move_by: list[tuple[str, RequestState, int]]) -> None:
@@ -806,7 +814,7 @@ class VTokenSchedulerMixin:
         k = min(k, evictable(table.num_live, table.num_logical, 0, st.recent, bound))
         if k > 0 and not self._vt_ready_to_evict(rid, st, table.num_live - k, payload):
             return
-        st.log_eviction(st.decode_steps + 1, asked)
+        st.log_eviction(st.decode_steps + 1 if st.decoding else 0, asked)  # (0: before a prefill chunk)
         if k <= 0:
             return
         table.evict(k)
@@ -825,6 +833,7 @@ class VTokenSchedulerMixin:
         s.evicted_tokens += k
         s.freed_blocks += freed
         s.evictions += 1
+        s.prefill_evictions += not st.decoding
 
     def _vt_after_scheduled(self, req, st: RequestState, n: int, payload: StepPayload) -> None:
         """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end.

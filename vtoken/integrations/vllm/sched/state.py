@@ -55,6 +55,8 @@ class RequestState:
     #: set once a scheduled step completes the (re-)prefill, i.e. samples a token; decided
     #: at schedule time, so async scheduling starts eviction at the same step as sync.
     decoding: bool = False
+    #: ``prefill_eviction: chunks``: it may also evict between its prefill chunks
+    chunk_evict: bool = False
     #: decode forwards scheduled so far (1 = the first decode step); scores are computed on
     #: every prefill chunk and on decode steps d with d % score_every == 0 (as the oracle).
     decode_steps: int = 0
@@ -104,6 +106,9 @@ class RequestState:
     #: [decode step whose forward is the re-prefill, blocks held when it is scheduled (-1 until
     #: then)] per preemption: the oracle replays the steps (``oracle_generate(preempt_at=...)``)
     preempt_log: list = field(default_factory=list)
+    #: tokens scheduled in each prefill chunk (``decide_on: worker``; the oracle replays the
+    #: chunking, ``oracle_generate(prefill_chunks=...)``)
+    chunk_log: list = field(default_factory=list)
 
     def log_eviction(self, step: int, k: int) -> None:
         """Append ``(step, k)`` to :attr:`evict_log` (a :class:`~vtoken.integrations.vllm.sched.counts.CountState`
@@ -147,6 +152,7 @@ class RequestState:
             evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
             protected=self.protected, cached_tokens=self.cached_tokens,
             evict_log=[list(e) for e in self.evict_log], preempt_log=[list(e) for e in self.preempt_log],
+            prefill_chunks=list(self.chunk_log),
         )
 
 
@@ -169,6 +175,8 @@ class VTokenStats:
     #: repack moves left off a step's payload because the stock schedule() preempted their
     #: request after they were planned (its blocks were already back in the pool)
     moves_dropped_preempted: int = 0
+    #: prefill_eviction: chunks: eviction events before a prefill chunk
+    prefill_evictions: int = 0
     pressure_events: int = 0  # steps where the pool was short (pressure pacing)
     pressure_evictions: int = 0  # eviction events decided under pressure
     shortfalls_covered: int = 0  # short steps fully covered by eviction (preemptions avoided)

@@ -1,0 +1,112 @@
+"""Eviction between prefill chunks (issue 25, item 1; ``prefill_eviction: chunks``).
+
+With vLLM's chunked prefill (``max_num_batched_tokens`` = 72 here, not a multiple of the block
+size), a request whose live tokens exceed its budget after a chunk evicts down to the budget
+before its next chunk, from the statistics of the chunks so far, so it never holds more than
+``cdiv(budget + chunk + 1, B)`` blocks however long its prompt. Every policy, one mixed batch
+(requests share the step's token budget, so their chunk boundaries differ): each request's tokens
+equal the dense oracle replaying its own chunks (``oracle_generate(prefill_chunks=...)``, the
+chunk sizes the engine logged), with no score lag on V1 sync and on Model Runner V2 async
+(``decide_on: worker`` folds each chunk's statistics in its own step). ``VTOKEN_CHECK=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vtoken.assets.paths import ensure_tiny_model
+from vtoken.config import parse_config, parse_request_overrides
+from drivers.harness import run_in_subprocess
+
+from execution_paths import EXPECTED, path_env
+
+pytestmark = pytest.mark.engine
+
+B = 32
+CHUNK = 72
+BUDGET = 64
+NEW = 24
+VT = {"policy": "h2o", "budget": BUDGET, "slack": 0, "decide_on": "worker", "prefill_eviction": "chunks"}
+POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv"]
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [((i + 5) * 31 + j * (7 + i % 6)) % 250 + 1 for j in range(n)]
+
+
+REQUESTS = [dict(id=f"{pol}-{n}", prompt_token_ids=_prompt(k, n), max_tokens=NEW,
+                 extra_args={"vtoken_policy": pol})
+            for k, (pol, n) in enumerate((p, n) for p in POLICIES for n in (300, 130))]
+
+
+def _engine(model: str) -> dict:
+    return dict(model=model, dtype="float32", max_model_len=512, block_size=B, enforce_eager=True,
+                gpu_memory_utilization=0.1, num_gpu_blocks_override=256, skip_tokenizer_init=True,
+                enable_prefix_caching=False, max_num_batched_tokens=CHUNK, max_num_seqs=8,
+                enable_chunked_prefill=True)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    import torch
+
+    from vtoken.oracle import load_oracle_model, oracle_generate
+
+    torch.set_num_threads(2)
+    model = load_oracle_model(tiny)
+    return lambda prompt, cfg, chunks: oracle_generate(model, prompt, NEW, cfg, prefill_chunks=chunks)
+
+
+def _check(path: str, out: dict, oracle) -> None:
+    assert out["paths"] == EXPECTED[path]
+    s = out["vtoken"]["stats"]
+    assert s["request_faults"] == 0 and s["evicted_tokens"] > 0
+    assert out["free_blocks_end"] == out["free_blocks_start"] == out["num_blocks"] - 1
+    fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
+    base = parse_config(VT)
+    bad, chunked, events = [], 0, 0
+    for r in REQUESTS:
+        f = fin[r["id"]]
+        chunks = f["prefill_chunks"]
+        assert sum(chunks) == len(r["prompt_token_ids"]) and max(chunks) <= CHUNK, (r["id"], chunks)
+        ref = oracle(r["prompt_token_ids"], parse_request_overrides(r["extra_args"]).apply(base), chunks)
+        if out["tokens"][r["id"]] != list(ref.token_ids):
+            bad.append(r["id"])
+        # evictions before a prefill chunk are logged at decode step 0, one per chunk boundary that evicted
+        between = [k for d, k in f["evict_log"] if d == 0]
+        assert len(between) == sum(len(e) > 0 for e in ref.prefill_evicted_positions), r["id"]
+        chunked += bool(between)
+        events += len(between)
+        # the bound: never more than budget + chunk (+1: the token sampled last) live tokens
+        assert f["peak_blocks"] <= -(-(BUDGET + CHUNK + 1) // B), (r["id"], f["peak_blocks"])
+    assert not bad, f"{path}: {bad}"
+    assert chunked >= len(POLICIES)  # every 300-token prompt evicted between its chunks
+    assert s["prefill_evictions"] == events  # vtoken:prefill_evictions_total
+
+
+def test_v1_sync(tiny, oracle):
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=VT, requests=REQUESTS), env=path_env("v1-sync"))
+    _check("v1-sync", out, oracle)
+
+
+def test_mrv2_async(tiny, oracle):
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=VT, requests=REQUESTS), env=path_env("mrv2-async"))
+    _check("mrv2-async", out, oracle)
+
+
+def test_refused_without_worker_decisions():
+    from vtoken.config import VTokenConfigError
+
+    with pytest.raises((ValueError, VTokenConfigError), match="prefill_eviction = 'chunks' needs vtoken.decide_on"):
+        parse_config(dict(VT, decide_on="scheduler"))
+    with pytest.raises((ValueError, VTokenConfigError), match="pacing = 'pressure'"):
+        parse_config(dict(VT, pacing="pressure"))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(pytest.main([__file__, "-q"]))
