@@ -157,8 +157,9 @@ class VTokenConfig(BaseModel):
         "after",
         description="when a long prompt is cut to the budget. after: at the first decode step, the whole prompt held "
         "until then; chunks: between prefill chunks too (vLLM's chunked prefill, --max-num-batched-tokens sets the "
-        "chunk), so a request never holds more than about budget + chunk tokens. chunks needs decide_on worker and "
-        "pacing fixed (docs/device-decisions.md, \"Eviction between prefill chunks\")",
+        "chunk), so a request never holds more than about budget + chunk tokens, and a prompt longer than the KV "
+        "cache is served. chunks needs decide_on worker and pacing fixed (docs/device-decisions.md, \"Eviction "
+        "between prefill chunks\")",
     )
     protect_cached_prefix: bool = Field(
         False,

@@ -1,4 +1,5 @@
-"""Eviction between prefill chunks (issue 25, item 1; ``prefill_eviction: chunks``).
+"""Eviction between prefill chunks and prompts longer than the KV pool (issue 25, items 1-3;
+``prefill_eviction: chunks``).
 
 With vLLM's chunked prefill (``max_num_batched_tokens`` = 72 here, not a multiple of the block
 size), a request whose live tokens exceed its budget after a chunk evicts down to the budget
@@ -97,6 +98,32 @@ def test_v1_sync(tiny, oracle):
 def test_mrv2_async(tiny, oracle):
     out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=VT, requests=REQUESTS), env=path_env("mrv2-async"))
     _check("mrv2-async", out, oracle)
+
+
+# Item 2: a prompt 4x longer than the KV pool (the issue's 8,192 tokens in 2,048 at budget 512, chunk
+# 256, scaled by 1/4 to the tiny model's 4,096 positions): 16 usable blocks of 32 = 512 tokens, a
+# 2,048-token prompt, budget 128, chunk 64. Stock vLLM refuses to start (max_model_len does not fit).
+LONG_ENGINE = dict(max_model_len=2100, num_gpu_blocks_override=17, max_num_batched_tokens=64, max_num_seqs=4)
+LONG_VT = dict(VT, budget=128)
+LONG = [dict(id="long", prompt_token_ids=_prompt(40, 2048), max_tokens=NEW, extra_args=None)]
+
+
+def test_prompt_longer_than_the_kv_pool_is_served(tiny, oracle):
+    out = run_in_subprocess(dict(engine=dict(_engine(tiny), **LONG_ENGINE), vtoken=LONG_VT, requests=LONG),
+                            env=path_env("v1-sync"))
+    f, = out["vtoken"]["finished"]
+    assert len(out["tokens"]["long"]) == NEW and f["prompt_len"] == 2048
+    assert out["num_blocks"] - 1 == 16 and out["vtoken"]["stats"]["preemption_resets"] == 0
+    ref = oracle(LONG[0]["prompt_token_ids"], parse_config(LONG_VT), f["prefill_chunks"])
+    assert out["tokens"]["long"] == list(ref.token_ids)
+    assert f["peak_blocks"] <= -(-(128 + 64 + 1) // B) == 7
+    assert out["free_blocks_end"] == out["free_blocks_start"] == 16
+
+
+def test_stock_vllm_refuses_that_engine(tiny):
+    with pytest.raises(RuntimeError, match="max seq len"):
+        run_in_subprocess(dict(engine=dict(_engine(tiny), **LONG_ENGINE), vtoken=None, requests=LONG),
+                          env=path_env("v1-sync"))
 
 
 def test_refused_without_worker_decisions():

@@ -2,11 +2,12 @@
 
 Registered as the ``vllm.general_plugins`` entry point ``vtoken``; vLLM calls
 :func:`register` once in every process (front end, EngineCore, each worker).
-Without a ``vtoken`` key the plugin changes nothing: the only thing it installs is a
+Without a ``vtoken`` key the plugin changes nothing: the only things it installs are a
 wrapper around ``EngineArgs.create_engine_config`` that returns the stock result
 untouched (patches/ entry ``vllm.engine.arg_utils.EngineArgs.create_engine_config``),
-and a validation of the ``vtoken_*`` keys of ``SamplingParams.extra_args``, which only
-acts on requests that carry such keys.
+a validation of the ``vtoken_*`` keys of ``SamplingParams.extra_args``, which only
+acts on requests that carry such keys, and the start-up KV-capacity check's wrapper
+(``sched/admission.py``), which only acts on a vToken engine with ``prefill_eviction: chunks``.
 
 With ``vtoken`` set, the wrapper validates the config (pydantic; errors name the field,
 the value and what is allowed), refuses what vToken cannot support yet (naming the
@@ -46,6 +47,9 @@ def register() -> None:
     _registered = True
     _wrap_create_engine_config()
     _wrap_sampling_params_verify()
+    from vtoken.integrations.vllm.sched import admission
+
+    admission.install()  # (passes everything through without a vtoken key)
 
 
 def _vtoken_raw(additional_config):

@@ -69,6 +69,9 @@ class BlockAccounting:
         #: scheduler keeps it in step with the tables (:meth:`set_offset`, :meth:`forget`);
         #: ``VTOKEN_CHECK=1`` checks it every step.
         self.deltas: dict[str, int] = {}
+        #: request id -> tokens vLLM reserves at its admission at most (``prefill_eviction:
+        #: chunks``: budget + slack + chunk + 1, ``sched/admission.py``); absent: the full prompt
+        self.admission_cap: dict[str, int] = {}
 
     #: :attr:`deltas` value of a ``mode: naive`` request
     NAIVE = -1
@@ -177,6 +180,11 @@ class VTokenFullAttentionManager(FullAttentionManager):
         def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                        num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=False,
                                        prefill_end=0):
+            if apply_admission_cap:  # admission reserves the full prompt: at most the request's bound
+                cap = self._vt_accounting.admission_cap.get(request_id)
+                if cap is not None and num_tokens > cap:
+                    num_tokens = cap
+                    num_tokens_main_model = min(num_tokens_main_model, cap)
             d = self._vt_deltas.get(request_id)
             if d is not None:
                 if d < 0:  # BlockAccounting.NAIVE
@@ -200,6 +208,9 @@ class VTokenFullAttentionManager(FullAttentionManager):
     else:  # pragma: no cover - another vLLM's signature
         def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                        num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
+            cap = self._vt_accounting.admission_cap.get(request_id) if kwargs.get("apply_admission_cap") else None
+            if cap is not None and num_tokens > cap:
+                num_tokens, num_tokens_main_model = cap, min(num_tokens_main_model, cap)
             d = self._vt_accounting.delta(request_id, num_tokens)
             if d:
                 num_tokens -= d

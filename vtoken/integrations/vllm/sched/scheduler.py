@@ -55,6 +55,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from vtoken.config import VTokenConfig, VTokenConfigError, effective_budget, num_to_evict, parse_config, parse_request_overrides
 from vtoken.integrations.vllm.sched.accounting import BlockAccounting, VTokenFullAttentionManager
+from vtoken.integrations.vllm.sched.admission import request_bound
 from vtoken.integrations.vllm.sched.checks import check_invariants, trace_record
 from vtoken.integrations.vllm.sched import counts as C
 from vtoken.integrations.vllm.sched.counts import CountColumns, CountState
@@ -166,6 +167,9 @@ class VTokenSchedulerMixin:
             self.vt_stats.request_faults += 1
             cfg = None
         self._vt_req_cfg[request.request_id] = cfg
+        if cfg is not None and cfg.prefill_eviction == "chunks" and self._vt_may_evict(cfg, request):
+            self._vt_accounting.admission_cap[request.request_id] = request_bound(
+                cfg, request.num_prompt_tokens, self.scheduler_config.max_num_batched_tokens)
         super().add_request(request)
 
     @staticmethod
@@ -1023,6 +1027,7 @@ class VTokenSchedulerMixin:
         if request.is_finished():
             self._vt_req_cfg.pop(rid, None)
             self._vt_accounting.cache_cap.pop(rid, None)
+            self._vt_accounting.admission_cap.pop(rid, None)
 
     def _preempt_request(self, request, *args, **kwargs):
         """vLLM's preemption, then: a request whose state was kept resumes at its offset.
