@@ -579,6 +579,10 @@ def test_results_prefix_cache_figures_match_result():
     assert f"TOVA holds {(1 - tv['blocks_mean'] / s['blocks_mean']) * 100:.0f} % fewer blocks" in sec
     assert f"(KeyDiff {(1 - kd['blocks_mean'] / s['blocks_mean']) * 100:.0f} %)" in sec
     assert f"its peak is {tv['blocks_peak']:.0f} blocks against {s['blocks_peak']:.0f}" in sec
+    readme = " ".join(_readme().split())
+    assert (f"`python benchmarks/bench_prefix_cache.py`): {tv['prefix_cache_hit_rate'] * 100:.0f} % of prompt tokens "
+            f"hit against stock's {s['prefix_cache_hit_rate'] * 100:.0f} %, with "
+            f"{(1 - tv['blocks_mean'] / s['blocks_mean']) * 100:.0f} % fewer blocks held on average") in readme
     # "well under 1 % of each run's wall time"
     assert all(a["copy_ms_est"] < 0.01 * a["wall_s"] * 1e3 for a in arms.values() if a.get("copy_ms_est") is not None)
     # every arm hit the shared system prompt; none deferred a first eviction (a large pool)
