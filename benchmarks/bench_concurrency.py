@@ -25,6 +25,8 @@ Usage::
 
     python benchmarks/bench_concurrency.py --small   # 423 s (OMP_NUM_THREADS=1, loaded 2-core machine)
     python benchmarks/bench_concurrency.py --full    # see benchmarks/README.md
+    python benchmarks/bench_concurrency.py --chunks  # --full plus vToken with prefill_eviction: chunks
+                                                     # (chunk 64; SnapKV too, which has no Naive-Evict arm)
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ def plan(size: str) -> dict:
     if size == "small":
         return dict(model="tiny", dtype="float32", block_size=32, prompt_len=512, gen=128, pool_requests=4,
                     budgets=[128], policies=PAPER_POLICIES)
-    return dict(model="tiny", dtype="float32", block_size=32, prompt_len=512, gen=256, pool_requests=8,
+    full = dict(model="tiny", dtype="float32", block_size=32, prompt_len=512, gen=256, pool_requests=8,
                 budgets=[128, 256], policies=PAPER_POLICIES)
+    if size == "chunks":  # the full plan plus vToken with prefill_eviction: chunks (issue 25), chunk 64
+        return dict(full, chunk=64, chunk_policies=list(PAPER_POLICIES) + ["snapkv"])
+    return full
 
 
 def prompts(model_dir: str, model: str, n: int, prompt_len: int) -> list[list[int]]:
@@ -192,12 +197,15 @@ def run_mode(p: dict, mode: str, arms: list[dict], prompts_: list[list[int]], mo
     import subprocess
     import tempfile
 
+    chunks = mode == "vtoken_chunks"  # decide_on: worker, prefill_eviction: chunks, chunk p["chunk"]
+    vt = None if mode == "stock" else dict(mode="vtoken" if chunks else mode, policy="h2o", budget=min(p["budgets"]))
+    if chunks:
+        vt.update(decide_on="worker", prefill_eviction="chunks")
     spec = dict(engine=engine_kwargs(model_dir, dtype=p["dtype"], block_size=p["block_size"],
                                      max_model_len=p["prompt_len"] + p["gen"] + p["block_size"], num_blocks=num_blocks,
                                      max_num_seqs=max(max_n, 256),
-                                     max_num_batched_tokens=max(8192, p["prompt_len"] + p["gen"])),
-                vtoken=None if mode == "stock" else dict(mode=mode, policy="h2o", budget=min(p["budgets"])),
-                mode=mode, arms=arms, prompts=prompts_, gen=p["gen"])
+                                     max_num_batched_tokens=p["chunk"] if chunks else max(8192, p["prompt_len"] + p["gen"])),
+                vtoken=vt, mode=mode, arms=arms, prompts=prompts_, gen=p["gen"])
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
@@ -214,7 +222,7 @@ def run_mode(p: dict, mode: str, arms: list[dict], prompts_: list[list[int]], mo
 
 
 def main(argv=None) -> int:
-    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "concurrency")
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "concurrency", extra_sizes=("chunks",))
     from tqdm import tqdm
 
     p = plan(args.size)
@@ -233,21 +241,29 @@ def main(argv=None) -> int:
         modes.append((mode, [dict(name=f"{mode}/{pol}/{b}", policy=pol, budget=b, upper=ub[b],
                                   start=p["pool_requests"] if mode == "naive" else 2 * p["pool_requests"])
                              for b in p["budgets"] for pol in p["policies"]]))
+    if p.get("chunk"):
+        modes.append(("vtoken_chunks", [dict(name=f"vtoken_chunks/{pol}/{b}", policy=pol, budget=b, upper=ub[b],
+                                             start=2 * p["pool_requests"])
+                                        for b in p["budgets"] for pol in p["chunk_policies"]]))
     results, probes = [], []
     for mode, arms in tqdm(modes, desc="engines", unit="engine"):
-        if mode == "vtoken":  # start at twice Naive-Evict's answer for the same policy/budget: fewer probes
+        if mode in ("vtoken", "vtoken_chunks"):  # start at vToken's (twice Naive-Evict's) answer: fewer probes
             for a in arms:
-                nv = next(x for x in results if x["arm"] == f"naive/{a['policy']}/{a['budget']}")
-                a["start"] = max(1, 2 * nv["max_feasible_n"])
+                prev = next((x for x in results if x["arm"] == f"vtoken/{a['policy']}/{a['budget']}"), None)
+                nv = next((x for x in results if x["arm"] == f"naive/{a['policy']}/{a['budget']}"), None)
+                if mode == "vtoken_chunks" and prev is not None:
+                    a["start"] = max(1, prev["max_feasible_n"])
+                elif nv is not None:
+                    a["start"] = max(1, 2 * nv["max_feasible_n"])
         r = run_mode(p, mode, arms, prompts_, model_dir, num_blocks, max_n)
         results.extend(r["results"])
         probes.extend(r["probes"])
     stock = results[0]["max_feasible_n"]
     for r in results:
         r["vs_stock"] = r["max_feasible_n"] / stock if stock else None
-        if r["mode"] == "vtoken":
-            nv = next(x for x in results if x["arm"] == f"naive/{r['policy']}/{r['budget']}")
-            r["vs_naive"] = r["max_feasible_n"] / nv["max_feasible_n"] if nv["max_feasible_n"] else None
+        if r["mode"] in ("vtoken", "vtoken_chunks"):  # (SnapKV has no Naive-Evict arm: decide_on worker only)
+            nv = next((x for x in results if x["arm"] == f"naive/{r['policy']}/{r['budget']}"), None)
+            r["vs_naive"] = r["max_feasible_n"] / nv["max_feasible_n"] if nv and nv["max_feasible_n"] else None
     res = dict(meta=run_metadata(benchmark="concurrency", size=args.size, seeds=dict(data_shuffle=SEED, engine=0,
                                  random_policy=0), model=f"{p['model']} ({p['dtype']})", plan=p,
                                  pool_blocks=num_blocks, full_request_blocks=full_blocks,
@@ -278,10 +294,17 @@ def plot(res: dict, path: Path) -> None:
     x = np.arange(len(groups))
     nv = [next(r["max_feasible_n"] for r in rs if r["arm"] == f"naive/{p}/{b}") for p, b in groups]
     vt = [next(r["max_feasible_n"] for r in rs if r["arm"] == f"vtoken/{p}/{b}") for p, b in groups]
-    ax.bar(x - 0.2, nv, 0.4, label="Naive-Evict", color="#d95f02")
-    ax.bar(x + 0.2, vt, 0.4, label="vToken", color="#1b9e77")
+    ch = [next((r["max_feasible_n"] for r in rs if r["arm"] == f"vtoken_chunks/{p}/{b}"), None) for p, b in groups]
+    w = 0.27 if any(c is not None for c in ch) else 0.4
+    ax.bar(x - w / 2 - (w / 2 if w < 0.4 else 0), nv, w, label="Naive-Evict", color="#d95f02")
+    ax.bar(x + (0 if w < 0.4 else w / 2), vt, w, label="vToken", color="#1b9e77")
     for xi, a, b in zip(x, nv, vt):
-        ax.text(xi + 0.2, b, f"x{b / a:.2f}" if a else "", ha="center", va="bottom", fontsize=8)
+        ax.text(xi + (0 if w < 0.4 else w / 2), b, f"x{b / a:.2f}" if a else "", ha="center", va="bottom", fontsize=8)
+    if w < 0.4:
+        ax.bar(x + w, [c or 0 for c in ch], w, label="vToken, prefill_eviction chunks", color="#7570b3")
+        for xi, a, c in zip(x, nv, ch):
+            if c:
+                ax.text(xi + w, c, f"x{c / a:.2f}" if a else "", ha="center", va="bottom", fontsize=8)
     ax.axhline(stock, color="#666666", ls="--", label=f"stock vLLM ({stock})")
     ax.set_xticks(x, [f"{p}\nbudget {b}" for p, b in groups], fontsize=8)
     ax.set_ylabel("max requests decoding together\n(no preemption)")

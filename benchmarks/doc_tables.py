@@ -254,6 +254,45 @@ def prefix_cache_table(name: str = "prefix_cache_sharegpt.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+LONGEST_ARMS = (("stock", "stock vLLM"), ("naive", "Naive-Evict (H2O)"),
+                ("vtoken_after", "vToken H2O, `prefill_eviction: after`"),
+                ("vtoken_chunks", "vToken H2O, `prefill_eviction: chunks`"))
+
+
+def longest_prompt_table(name: str = "longest_prompt.json") -> str:
+    """``bench_longest_prompt.py``: per arm, the longest prompt served in the fixed pool, the peak
+    blocks the request held at that length, and the first length refused (with the reason)."""
+    d = _load(name)
+    arms = {a["arm"]: a for a in d["arms"]}
+    rows = ["| arm | longest prompt served (tokens) | peak blocks held | next length tried |", "|---|---|---|---|"]
+    for arm, label in LONGEST_ARMS:
+        a = arms[arm]
+        best = max((r for r in a["runs"] if r["served"]), key=lambda r: r["length"], default=None)
+        fail = next((r for r in a["runs"] if not r["served"]), None)
+        peak = "-" if best is None or best.get("peak_blocks") is None else str(best["peak_blocks"])
+        nxt = "- (the grid's last)" if fail is None else f"{fail['length']:,}: {fail['reason']}"
+        rows.append(f"| {label} | {a['longest_served']:,} | {peak} | {nxt} |")
+    return "\n".join(rows) + "\n"
+
+
+def concurrency_chunks_table(name: str = "concurrency_chunks.json") -> str:
+    """``bench_concurrency.py --chunks``: per policy and budget, the most requests decoding together
+    with no preemption in the fixed pool: stock, Naive-Evict, vToken (eviction after the prompt)
+    and vToken with ``prefill_eviction: chunks``, and the last one over Naive-Evict."""
+    d = _load(name)
+    by = {r["arm"]: r for r in d["results"]}
+    stock = by["stock"]["max_feasible_n"]
+    rows = ["| policy, budget | stock vLLM | Naive-Evict | vToken, after | vToken, chunks | chunks / Naive-Evict |",
+            "|---|---|---|---|---|---|"]
+    for b in d["meta"]["plan"]["budgets"]:
+        for pol in d["meta"]["plan"]["chunk_policies"]:
+            nv, vt, ch = (by.get(f"{m}/{pol}/{b}") for m in ("naive", "vtoken", "vtoken_chunks"))
+            f = (lambda r: "-" if r is None else str(r["max_feasible_n"]))
+            ratio = "-" if not ch or not nv or not nv["max_feasible_n"] else f"{ch['max_feasible_n'] / nv['max_feasible_n']:.2f}x"
+            rows.append(f"| {pol}, {b} | {stock} | {f(nv)} | {f(vt)} | {f(ch)} | {ratio} |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -266,7 +305,8 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "scheduler_table": scheduler_table, "granularity_cost_table": granularity_cost_table,
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
-          "prefix_cache_table": prefix_cache_table}
+          "prefix_cache_table": prefix_cache_table, "longest_prompt_table": longest_prompt_table,
+          "concurrency_chunks_table": concurrency_chunks_table}
 
 
 if __name__ == "__main__":

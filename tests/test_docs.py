@@ -590,6 +590,27 @@ def test_results_prefix_cache_figures_match_result():
     assert all(not a["unshare_deferred"] for a in arms.values())
 
 
+def test_results_longest_prompt_figures_match_result():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    d = _load("longest_prompt.json")
+    assert d["meta"]["command"] == "python benchmarks/bench_longest_prompt.py"
+    assert _generated(_bench(), "benchmarks/doc_tables.py longest_prompt_table") == doc_tables.longest_prompt_table()
+    sec = _section(_bench(), "**Longest prompt served in a fixed pool**", flat=True)
+    arms = {a["arm"]: a for a in d["arms"]}
+    assert f"a pool of {d['args']['blocks']} blocks of 32 ({d['pool_tokens']:,} usable tokens)" in sec
+    ch = arms["vtoken_chunks"]
+    assert f"serves {ch['longest_served']:,} tokens" in sec
+    assert ch["longest_served"] > 3 * d["pool_tokens"]
+    assert all(arms[a]["longest_served"] < d["pool_tokens"] for a in ("stock", "naive", "vtoken_after"))
+    peak = max(r["peak_blocks"] for r in ch["runs"])
+    assert f"holding at most {peak} blocks" in sec
+    assert peak <= -(-(d["args"]["budget"] + d["args"]["chunk"] + 1) // 32)
+
+
 def test_results_soak_figures_match_result():
     d = _load("soak_2026-11-30.json")
     f = d["figures"]
