@@ -25,12 +25,14 @@ Usage::
 
     python benchmarks/bench_concurrency.py --small   # 423 s (OMP_NUM_THREADS=1, loaded 2-core machine)
     python benchmarks/bench_concurrency.py --full    # see benchmarks/README.md
-    python benchmarks/bench_concurrency.py --chunks  # --full plus vToken with prefill_eviction: chunks
-                                                     # (chunk 64; SnapKV too, which has no Naive-Evict arm)
+    python benchmarks/bench_concurrency.py --chunks  # vToken with prefill_eviction: chunks (chunk 64; SnapKV
+                                                     # too, which has no Naive-Evict arm), beside the committed
+                                                     # --full result's stock / Naive-Evict / vToken arms
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    RESULTS,
     parse_size_args,
     PAPER_POLICIES,
     cdiv,
@@ -203,7 +206,8 @@ def run_mode(p: dict, mode: str, arms: list[dict], prompts_: list[list[int]], mo
         vt.update(decide_on="worker", prefill_eviction="chunks")
     spec = dict(engine=engine_kwargs(model_dir, dtype=p["dtype"], block_size=p["block_size"],
                                      max_model_len=p["prompt_len"] + p["gen"] + p["block_size"], num_blocks=num_blocks,
-                                     max_num_seqs=max(max_n, 256),
+                                     # (vLLM: max_num_seqs <= max_num_batched_tokens, the chunk here)
+                                     max_num_seqs=max_n if chunks else max(max_n, 256),
                                      max_num_batched_tokens=p["chunk"] if chunks else max(8192, p["prompt_len"] + p["gen"])),
                 vtoken=vt, mode=mode, arms=arms, prompts=prompts_, gen=p["gen"])
     env = dict(os.environ)
@@ -246,6 +250,14 @@ def main(argv=None) -> int:
                                              start=2 * p["pool_requests"])
                                         for b in p["budgets"] for pol in p["chunk_policies"]]))
     results, probes = [], []
+    reused = None
+    if args.size == "chunks":  # the other modes' plan is --full's: take its committed results, run only chunks
+        reused = RESULTS / "concurrency_full.json"
+        full = json.loads(reused.read_text())
+        if full["meta"]["plan"] != plan("full"):
+            raise ValueError(f"{reused}: its plan {full['meta']['plan']} is not --full's {plan('full')}; rerun --full")
+        results, probes = list(full["results"]), list(full["probes"])
+        modes = [m for m in modes if m[0] == "vtoken_chunks"]
     for mode, arms in tqdm(modes, desc="engines", unit="engine"):
         if mode in ("vtoken", "vtoken_chunks"):  # start at vToken's (twice Naive-Evict's) answer: fewer probes
             for a in arms:
@@ -267,6 +279,7 @@ def main(argv=None) -> int:
     res = dict(meta=run_metadata(benchmark="concurrency", size=args.size, seeds=dict(data_shuffle=SEED, engine=0,
                                  random_policy=0), model=f"{p['model']} ({p['dtype']})", plan=p,
                                  pool_blocks=num_blocks, full_request_blocks=full_blocks,
+                                 reused_results_from=None if reused is None else str(reused.relative_to(RESULTS.parents[1])),
                                  total_wall_s=time.perf_counter() - t_start),
                results=results, probes=probes)
     write_json(out_path, res)

@@ -611,6 +611,24 @@ def test_results_longest_prompt_figures_match_result():
     assert peak <= -(-(d["args"]["budget"] + d["args"]["chunk"] + 1) // 32)
 
 
+def test_results_concurrency_chunks_figures_match_result():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    d = _load("concurrency_chunks.json")
+    assert d["meta"]["command"] == "python benchmarks/bench_concurrency.py --chunks"
+    assert d["meta"]["reused_results_from"] == "benchmarks/results/concurrency_full.json"
+    full = _load("concurrency_full.json")
+    assert [r for r in d["results"] if not r["arm"].startswith("vtoken_chunks/")] == full["results"]
+    assert _generated(_bench(), "benchmarks/doc_tables.py concurrency_chunks_table") == doc_tables.concurrency_chunks_table()
+    sec = " ".join(_bench().split())
+    fails = [x for x in d["probes"] if x["arm"] == "vtoken_chunks/h2o/128" and not x["feasible"]]
+    assert fails and all(x["preemptions"] == 0 for x in fails)  # not memory: admission
+    assert f"at most {max(x['max_running'] for x in fails)} requests ran together" in sec
+
+
 def test_results_soak_figures_match_result():
     d = _load("soak_2026-11-30.json")
     f = d["figures"]
