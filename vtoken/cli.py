@@ -113,6 +113,23 @@ def config_table_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def policy_args_schema() -> dict[str, dict[str, str]]:
+    """Per installed policy, its ``policy_args`` (the policy dataclass's own fields: not the
+    protections and seed every policy has, which are config keys) and their defaults."""
+    import dataclasses
+
+    from vtoken.policies import available_policies, get_policy_class
+
+    common = {"sink_tokens", "recent_tokens", "seed"}
+    out = {}
+    for name in sorted(available_policies()):
+        cls = get_policy_class(name)
+        out[name] = {f.name: ("required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                              else repr(f.default) if f.default is not dataclasses.MISSING else "(factory)")
+                     for f in dataclasses.fields(cls) if f.init and f.name not in common}
+    return out
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     import json
 
@@ -132,6 +149,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     for r in schema:
         print(f"{r['key']:{w['key']}}  {r['type']:{w['type']}}  {r['default']:{w['default']}}  {r['meaning']}")
     print(f"\npolicies installed: {', '.join(sorted(available_policies()))}")
+    print("their policy_args (default):")
+    for name, args in policy_args_schema().items():
+        print(f"  {name:13} {', '.join(f'{k}={v}' for k, v in args.items()) or '(none)'}")
     print("per request (SamplingParams.extra_args, OpenAI vllm_xargs): vtoken_budget (int >= 1), "
           "vtoken_policy (a policy name), vtoken_granularity (request, layer, head, head_shared; not request: needs "
           "decide_on worker), vtoken_enable (bool; false: no eviction for this request)")
