@@ -564,7 +564,7 @@ def test_results_prefix_cache_figures_match_result():
         sys.path.pop(0)
     d = _load("prefix_cache_sharegpt.json")
     arms = {a["arm"]: a for a in d["arms"]}
-    assert set(arms) == {a for a, _ in doc_tables.PREFIX_ARMS}
+    assert {a for a, _ in doc_tables.PREFIX_ARMS} <= set(arms)
     assert _generated(_bench(), "benchmarks/doc_tables.py prefix_cache_table") == doc_tables.prefix_cache_table()
     sec = _section(_bench(), "**Prefix caching with vToken**", flat=True)
     assert d["meta"]["command"] == "python benchmarks/bench_prefix_cache.py"
@@ -573,11 +573,10 @@ def test_results_prefix_cache_figures_match_result():
     assert f"load average {d['load_average_1m']:.1f}" in sec
     c = d["copy_cost"]
     assert f"({c['ms_per_block']:.2f} ms, {c['bytes_per_block'] / 2**20:.2f} MB)" in sec
-    s, tv, kd = arms["stock"], arms["vtoken_tova"], arms["vtoken_keydiff"]
+    s, tv = arms["stock"], arms["vtoken_tova"]
     assert (f"{tv['prefix_cache_hit_rate'] * 100:.0f} % of the prompt tokens hit against "
             f"{s['prefix_cache_hit_rate'] * 100:.0f} %") in sec
     assert f"TOVA holds {(1 - tv['blocks_mean'] / s['blocks_mean']) * 100:.0f} % fewer blocks" in sec
-    assert f"(KeyDiff {(1 - kd['blocks_mean'] / s['blocks_mean']) * 100:.0f} %)" in sec
     assert f"its peak is {tv['blocks_peak']:.0f} blocks against {s['blocks_peak']:.0f}" in sec
     readme = " ".join(_readme().split())
     assert (f"`python benchmarks/bench_prefix_cache.py`): {tv['prefix_cache_hit_rate'] * 100:.0f} % of prompt tokens "

@@ -15,8 +15,8 @@ of every hashed block a request holds after every step and fails if one changes.
 
 * ``default_run`` (v1-sync): A (it evicts inside its prompt), B (A's prefix), A again, A's second
   turn (A's prompt + answer + a question), B and A with TOVA, one after the other; then four
-  requests sharing the prefix decode and evict together. Also on mrv2-async, with
-  ``decide_on: worker``, and under ``protect_cached_prefix: true``.
+  requests sharing the prefix decode and evict together. Also on mrv2-async and under
+  ``protect_cached_prefix: true``; ``decide_on: worker`` is refused with prefix caching.
 * A pool too small for the copies: first evictions deferred, no lost request, no write to a
   cached block, tokens equal the oracle replaying the logged evictions and preemptions.
 """
@@ -229,17 +229,12 @@ def test_default_on_mrv2_async(tiny, default_run):
     _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT_DEFAULT, lag=SCORE_LAG["mrv2-async"])
 
 
-def test_worker_decisions_on_mrv2_async(tiny, default_run):
-    """``decide_on: worker`` (the worker picks the victims and copies the cached blocks, its side
-    caches with them): the same hits, sharers and hashed-block contents (checked after every
-    step); tokens equal the oracle with no lag."""
-    vt = dict(VT_DEFAULT, decide_on="worker")
-    out = _run(tiny, vt, SEQUENCE + CONCURRENT, "mrv2-async", digests=True)
-    assert out["paths"] == EXPECTED["mrv2-async"]
-    _check_sequence(out)
-    _check_sharers(out, protected=False)
-    assert out["digest_checks"] > 0
-    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, vt, lag=0)
+def test_worker_decisions_refused_with_prefix_caching(tiny):
+    """``decide_on: worker`` keeps per-token policy state indexed by KV slot, so requests sharing
+    cached blocks would share it: refused at start-up, by name, before the model loads."""
+    with pytest.raises(RuntimeError, match=r"vtoken.decide_on = 'worker': vToken does not support it yet "
+                                           r"\(requests holding the same cached blocks"):
+        _run(tiny, dict(VT_DEFAULT, decide_on="worker"), [[_req("A", A)]], "v1-sync", digests=False)
 
 
 # A pool too small for every first eviction's copies: W caches the 128-token prefix; then four
