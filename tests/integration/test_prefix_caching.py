@@ -273,5 +273,27 @@ def test_first_evictions_under_pressure_defer_and_never_write_a_cached_block(tin
             assert out["tokens"][r["id"]] == list(ref.token_ids), (r["id"], fin["evict_log"], fin["preempt_log"])
 
 
+# Four requests that share a 192-token prefix (6 blocks) and keep 2 blocks at budget 40: at their
+# first evictions, in one step, each copies the 2 prefix blocks it keeps and releases the other 4
+# shared ones (so those are released several times in the step, and reach ref_cnt 0 with the last
+# sharer), while the later ones still have blocks to copy: the blocks set aside from the free queue
+# are each removed once (vLLM's queue raises on a second removal): E, after them in the running
+# order, copies its own hashed prompt blocks in that step.
+LONG_PREFIX = [(j * 17 + 3) % 250 + 1 for j in range(192)]
+SHARED_TAIL = [[_req("W6", LONG_PREFIX + _suffix(30, 8), {"vtoken_budget": 512}, max_tokens=2)],
+               [_req(f"D{i}", LONG_PREFIX + _suffix(31 + i, 10), TOVA, max_tokens=24) for i in range(4)]
+               + [_req("E", _suffix(40, 202), TOVA, max_tokens=24)]]
+
+
+def test_sharers_releasing_the_same_blocks_in_one_step(tiny):
+    vt = dict(VT, budget=40, recent_tokens=8)
+    out = _run(tiny, vt, SHARED_TAIL, "v1-sync", digests=True)
+    assert all(out["num_cached_tokens"][f"D{i}"] == 192 for i in range(4))
+    assert out["stats"]["request_faults"] == 0 and out["stats"]["unshared_blocks"] >= 2 * 4
+    assert out["free_after_phase"] == [out["free_start"]] * 2
+    assert out["digest_checks"] > 0
+    _check_against_oracle(tiny, out, SHARED_TAIL, vt)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -180,11 +180,6 @@ class VTokenFullAttentionManager(FullAttentionManager):
         def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                        num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=False,
                                        prefill_end=0):
-            if apply_admission_cap:  # admission reserves the full prompt: at most the request's bound
-                cap = self._vt_accounting.admission_cap.get(request_id)
-                if cap is not None and num_tokens > cap:
-                    num_tokens = cap
-                    num_tokens_main_model = min(num_tokens_main_model, cap)
             d = self._vt_deltas.get(request_id)
             if d is not None:
                 if d < 0:  # BlockAccounting.NAIVE
@@ -193,6 +188,11 @@ class VTokenFullAttentionManager(FullAttentionManager):
                 total_computed_tokens = total_computed_tokens - d if total_computed_tokens > d else 0
                 num_local_computed_tokens = num_local_computed_tokens - d if num_local_computed_tokens > d else 0
                 num_tokens_main_model -= d
+            if apply_admission_cap:  # admission reserves the full prompt: at most the request's bound (live tokens)
+                cap = self._vt_accounting.admission_cap.get(request_id)
+                if cap is not None and num_tokens > cap:
+                    num_tokens = cap
+                    num_tokens_main_model = min(num_tokens_main_model, cap)
             return FullAttentionManager.get_num_blocks_to_allocate(
                 self, request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
                 num_tokens_main_model, apply_admission_cap, prefill_end)
@@ -208,10 +208,10 @@ class VTokenFullAttentionManager(FullAttentionManager):
     else:  # pragma: no cover - another vLLM's signature
         def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                        num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
-            cap = self._vt_accounting.admission_cap.get(request_id) if kwargs.get("apply_admission_cap") else None
-            if cap is not None and num_tokens > cap:
-                num_tokens, num_tokens_main_model = cap, min(num_tokens_main_model, cap)
             d = self._vt_accounting.delta(request_id, num_tokens)
+            cap = self._vt_accounting.admission_cap.get(request_id) if kwargs.get("apply_admission_cap") else None
+            if cap is not None and num_tokens - d > cap:
+                num_tokens, num_tokens_main_model = cap + d, min(num_tokens_main_model, cap + d)
             if d:
                 num_tokens -= d
                 total_computed_tokens = max(total_computed_tokens - d, 0)

@@ -778,21 +778,28 @@ class VTokenSchedulerMixin:
         if idx:
             pool = self.kv_cache_manager.block_pool
             queue = pool.free_block_queue
-            aside = [b for b in self._vt_released_now if b.ref_cnt == 0]  # (in the free queue)
-            for b in aside:
-                queue.remove(b)
+            # (in the free queue: ref_cnt 0; once each, though a block shared by two requests that
+            # both released it is listed twice)
+            aside = list({b.block_id: b for b in self._vt_released_now if b.ref_cnt == 0}.values())
+            removed = []
             try:
+                for b in aside:
+                    queue.remove(b)
+                    removed.append(b)
                 if len(idx) > pool.get_num_free_blocks():
                     self.vt_stats.unshare_deferred += 1
                     return False
                 new = pool.get_new_blocks(len(idx))
             finally:  # back where vLLM put them: unhashed first in line, hashed last
-                queue.prepend_n([b for b in aside if b.block_hash is None])
-                queue.append_n([b for b in aside if b.block_hash is not None])
+                queue.prepend_n([b for b in removed if b.block_hash is None])
+                queue.append_n([b for b in removed if b.block_hash is not None])
             old = [blocks[i] for i in idx]
             for i, b in zip(idx, new):
                 blocks[i] = b
             pool.free_blocks(old)
+            # a later copy in this step never lands on one of these either: the copies run as one
+            # batch, which a GPU kernel does not order between a block one copy reads and another writes
+            self._vt_released_now.extend(old)
             payload.unshare[rid] = [(i, o.block_id, b.block_id) for i, o, b in zip(idx, old, new)]
             payload.kept_blocks[rid] = [b.block_id for b in blocks]
             self.vt_stats.unshared_blocks += len(idx)
