@@ -161,11 +161,7 @@ def test_metrics_table_is_generated_from_metrics_py():
                                   "sla_h2o_faster_headline_table", "sla_h2o_faster_table",
                                   "sla_h2o_faster_unloaded_table"])
 def test_readme_sla_tables_are_generated_from_results(name):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     text = (ROOT / "benchmarks" / "README_sla.md").read_text()
     assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
 
@@ -336,6 +332,16 @@ def test_layout_names_every_module_that_imports_vllm():
 
 
 # ----------------------------------------------------------------------------- result figures (benchmarks/README.md)
+def _doc_tables():
+    """``benchmarks/doc_tables.py`` (the generator of the benchmark READMEs' tables), imported."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import doc_tables
+    finally:
+        sys.path.pop(0)
+    return doc_tables
+
+
 def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
@@ -452,11 +458,7 @@ def test_h2o_rerun_figures_match_results():
 
 
 def test_results_sla_figures_match_result():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     readme = _bench()
     assert _generated(readme, "benchmarks/doc_tables.py sla_headline_table") == doc_tables.sla_headline_table()
     d = _load("sla.json")
@@ -525,11 +527,7 @@ def test_readme_sla_grid_and_counters_match_result():
 
 
 def test_sla_fine_replicate_figures_match_results():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     readme = _bench()
     assert _generated(readme, "benchmarks/doc_tables.py sla_fine_table") == doc_tables.sla_fine_table()
     arms = doc_tables.sla_merged_runs()
@@ -557,11 +555,7 @@ def test_sla_fine_replicate_figures_match_results():
 
 
 def test_results_prefix_cache_figures_match_result():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     d = _load("prefix_cache_sharegpt.json")
     arms = {a["arm"]: a for a in d["arms"]}
     assert {a for a, _ in doc_tables.PREFIX_ARMS} <= set(arms)
@@ -590,11 +584,7 @@ def test_results_prefix_cache_figures_match_result():
 
 
 def test_results_longest_prompt_figures_match_result():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     d = _load("longest_prompt.json")
     assert d["meta"]["command"] == "python benchmarks/bench_longest_prompt.py"
     assert _generated(_bench(), "benchmarks/doc_tables.py longest_prompt_table") == doc_tables.longest_prompt_table()
@@ -611,11 +601,7 @@ def test_results_longest_prompt_figures_match_result():
 
 
 def test_results_concurrency_chunks_figures_match_result():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     d = _load("concurrency_chunks.json")
     assert d["meta"]["command"] == "python benchmarks/bench_concurrency.py --chunks"
     assert d["meta"]["reused_results_from"] == "benchmarks/results/concurrency_full.json"
@@ -653,11 +639,7 @@ def test_results_quality_figures_match_result():
 
 
 def test_results_quality_scale_table_and_figures_match_result():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     readme = _bench()
     assert _generated(readme, "benchmarks/doc_tables.py quality_scale_table") == doc_tables.quality_scale_table()
     d = _load("quality_scale.json")
@@ -766,11 +748,7 @@ def test_benchmarks_readme_quality_table_matches_result():
 
 def test_benchmarks_readme_scheduler_host_time_matches_result():
     """Issue 22's host-time table and the figures quoted above it equal results/bench_scheduler.json."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     text = BENCH_DOC.read_text()
     assert _generated(text, "benchmarks/doc_tables.py scheduler_table") == doc_tables.scheduler_table()
     d = json.loads((RESULTS / "bench_scheduler.json").read_text())
@@ -806,11 +784,7 @@ def test_benchmarks_readme_scheduler_host_time_matches_result():
 def test_benchmarks_readme_granularity_tables_match_results(name, result):
     """Issue 23's tables in benchmarks/README.md equal their result files, and the load averages
     quoted above the cost table are the run's."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.pop(0)
+    doc_tables = _doc_tables()
     text = BENCH_DOC.read_text()
     assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
     meta = json.loads((RESULTS / result).read_text()).get("meta", {})
