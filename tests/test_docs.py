@@ -148,11 +148,11 @@ def test_policy_classes_are_the_registered_ones():
 
 
 def test_metrics_table_is_generated_from_metrics_py():
-    from vtoken.integrations.vllm.sched.metrics import COUNTERS, GAUGES, metrics_table_markdown
+    from vtoken.integrations.vllm.sched.metrics import COUNTERS, GAUGES, HISTOGRAMS, metrics_table_markdown
 
     table = _generated(_config_doc(), "vtoken.integrations.vllm.sched.metrics.metrics_table_markdown()")
     assert table == metrics_table_markdown()
-    assert len(table.strip().splitlines()) == 2 + len(GAUGES) + len(COUNTERS)
+    assert len(table.strip().splitlines()) == 2 + len(GAUGES) + len(COUNTERS) + len(HISTOGRAMS)
 
 
 @pytest.mark.parametrize("name", ["sla_table", "sla_unloaded_table", "overhead_table", "sla_headline_table",

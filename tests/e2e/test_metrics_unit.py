@@ -29,3 +29,17 @@ def test_update_mirrors_stats():
     assert _val("vtoken:live_tokens", "7") == 0 and _val("vtoken:retained_blocks", "7") == 0
     # every exported field exists on VTokenStats
     assert all(hasattr(s, f) for f, _ in list(GAUGES.values()) + list(COUNTERS.values()))
+
+
+def test_request_peak_blocks_histogram():
+    """One observation per finished request, of its lifetime's ``peak_blocks``; a request
+    without the figure is skipped."""
+    m = VTokenMetrics("unit", "8")
+    for peak in (3, 5, 200):
+        m.observe_finished(dict(peak_blocks=peak))
+    m.observe_finished(dict(peak_blocks=None))
+    labels = {"model_name": "unit", "engine": "8"}
+    assert REGISTRY.get_sample_value("vtoken:request_peak_blocks_count", labels) == 3
+    assert REGISTRY.get_sample_value("vtoken:request_peak_blocks_sum", labels) == 208
+    le = lambda b: REGISTRY.get_sample_value("vtoken:request_peak_blocks_bucket", dict(labels, le=b))  # noqa: E731
+    assert (le("4.0"), le("8.0"), le("128.0"), le("256.0"), le("+Inf")) == (1, 2, 2, 3, 3)

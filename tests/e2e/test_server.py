@@ -74,6 +74,8 @@ def test_metrics_exposed_with_labels(server):
     for name in ["live_tokens", "retained_blocks", "naive_retained_blocks", "dense_blocks"]:
         assert f"# TYPE vtoken:{name} gauge" in text
         assert f'vtoken:{name}{{engine="0",model_name="{MODEL_NAME}"}}' in text
+    assert "# TYPE vtoken:request_peak_blocks histogram" in text
+    assert f'vtoken:request_peak_blocks_bucket{{engine="0",le="8.0",model_name="{MODEL_NAME}"}}' in text
     for name in COUNTERS:
         assert f"# TYPE vtoken:{name}_total counter" in text
         assert f'vtoken:{name}_total{{engine="0",model_name="{MODEL_NAME}"}}' in text
@@ -94,6 +96,7 @@ def test_batch_equals_solo_and_oracle(server, sharegpt_prompts, oracle_model, ba
     m2 = _wait_idle(server)
 
     want = {c: 0 for c in ("evicted_tokens", "evictions", "freed_blocks")}
+    peak_blocks = 0  # vtoken:request_peak_blocks: each request's most blocks (prompt or a decode step)
     for (kind, stream), (pids, toks), (spids, stoks) in zip(SHAPES, batch, solo):
         assert pids == spids
         assert len(pids) > BUDGET + 16, "prompt too short to evict"
@@ -102,6 +105,7 @@ def test_batch_equals_solo_and_oracle(server, sharegpt_prompts, oracle_model, ba
         assert toks == res.token_ids, f"{kind} stream={stream}: server != dense oracle with H2O eviction"
         for k, v in _expect(res).items():
             want[k] += v
+        peak_blocks += max(_cdiv(n, BLOCK_SIZE) for n in res.num_live)
     assert want["evicted_tokens"] > 0 and want["freed_blocks"] > 0
 
     for before, after in ((m0, m1), (m1, m2)):
@@ -111,6 +115,10 @@ def test_batch_equals_solo_and_oracle(server, sharegpt_prompts, oracle_model, ba
         assert 0 < d["moved_tokens"] <= d["evicted_tokens"]
         assert d["repack_seconds"] > 0
         assert d["preemption_resets"] == 0
+        # one histogram observation per finished request, its peak blocks (from the oracle's live counts)
+        hist = {x: after[f"vtoken:request_peak_blocks_{x}"] - before.get(f"vtoken:request_peak_blocks_{x}", 0.0)
+                for x in ("count", "sum")}
+        assert hist == {"count": 4, "sum": peak_blocks}, (hist, peak_blocks)
         # vLLM's own counters keep working next to ours
         assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 4 * MAX_TOKENS
         assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 4

@@ -26,9 +26,11 @@ name                                kind     meaning
 ``vtoken:prefill_evictions_total``  counter  prefill_eviction chunks: evictions before a prefill chunk
 ``vtoken:unshared_blocks_total``    counter  prefix caching: cached blocks copied into private ones at a first eviction
 ``vtoken:unshare_deferred_total``   counter  prefix caching: first evictions deferred (no free blocks for the copies)
+``vtoken:request_peak_blocks``      histo.   per finished request: the most KV blocks it held after a ``schedule()``
 ==================================  =======  =================================================
 
-Gauges are the state after the last ``schedule()`` (and after the engine goes idle: the
+Gauges are the state after the last ``schedule()``; the histogram is observed once per finished
+(or aborted) request (and after the engine goes idle: the
 scheduler publishes once more when its last request finishes or is aborted); counters are mirrored from the scheduler's monotonic
 :class:`~vtoken.integrations.vllm.sched.scheduler.VTokenStats`.
 
@@ -67,7 +69,8 @@ from prometheus_client import values as _prom_values
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
-__all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS", "UNITS", "metrics_table_markdown"]
+__all__ = ["VTokenMetrics", "setup_prometheus_bridge", "GAUGES", "COUNTERS", "HISTOGRAMS", "UNITS",
+           "metrics_table_markdown"]
 
 #: gauge name -> (VTokenStats field, help)
 GAUGES: dict[str, tuple[str, str]] = {
@@ -113,7 +116,16 @@ COUNTERS: dict[str, tuple[str, str]] = {
                               "Requests whose eviction was turned off by a fault confined to them (see the log)."),
 }
 
-#: unit of each metric (by the name in GAUGES / COUNTERS)
+#: histogram name -> (key of ``RequestState.lifetime()``, help, bucket upper bounds); observed once
+#: per finished request
+HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "vtoken:request_peak_blocks": (
+        "peak_blocks", "Per finished request: the most KV-cache blocks it held after any schedule() (prefill chunks "
+        "included; with prefill_eviction chunks about ceil((budget + chunk + 1) / block_size)).",
+        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)),
+}
+
+#: unit of each metric (by the name in GAUGES / COUNTERS / HISTOGRAMS)
 UNITS: dict[str, str] = {
     "vtoken:live_tokens": "tokens",
     "vtoken:logical_tokens": "tokens",
@@ -135,21 +147,24 @@ UNITS: dict[str, str] = {
     "vtoken:pressure_events": "steps",
     "vtoken:pressure_evictions": "events",
     "vtoken:shortfalls_covered": "steps",
+    "vtoken:request_peak_blocks": "blocks",
 }
 
 
 def metrics_table_markdown() -> str:
     """The README's table of every ``vtoken:`` metric: exported name, type, unit, meaning.
 
-    Generated from :data:`GAUGES`, :data:`COUNTERS` and :data:`UNITS` (counters are exported
-    with prometheus_client's ``_total`` suffix); every metric has the labels ``model_name``
-    and ``engine``.
+    Generated from :data:`GAUGES`, :data:`COUNTERS`, :data:`HISTOGRAMS` and :data:`UNITS`
+    (counters are exported with prometheus_client's ``_total`` suffix, histograms as
+    ``_bucket`` / ``_sum`` / ``_count``); every metric has the labels ``model_name`` and ``engine``.
     """
     rows = ["| metric | type | unit | meaning |", "|---|---|---|---|"]
     for name, (_, doc) in GAUGES.items():
         rows.append(f"| `{name}` | gauge | {UNITS[name]} | {doc} |")
     for name, (_, doc) in COUNTERS.items():
         rows.append(f"| `{name}_total` | counter | {UNITS[name]} | {doc} |")
+    for name, (_, doc, buckets) in HISTOGRAMS.items():
+        rows.append(f"| `{name}` | histogram | {UNITS[name]} | {doc} Buckets: {', '.join(map(str, buckets))}. |")
     return "\n".join(rows) + "\n"
 
 
@@ -213,10 +228,12 @@ def _ensure_multiprocess_values() -> None:
         _prom_values.ValueClass = _prom_values.get_value_class()
 
 
-def _family(kind: str, name: str, doc: str):
+def _family(kind: str, name: str, doc: str, buckets: tuple[float, ...] = ()):
     fam = _families.get(name)
     if fam is None:
-        if kind == "gauge":
+        if kind == "histogram":
+            fam = prometheus_client.Histogram(name, doc, labelnames=_LABELS, buckets=buckets)
+        elif kind == "gauge":
             # livemostrecent: the value of the live EngineCore only (a dead engine's gauge vanishes).
             fam = prometheus_client.Gauge(name, doc, labelnames=_LABELS, multiprocess_mode="livemostrecent")
         else:
@@ -248,6 +265,7 @@ class VTokenMetrics:
         lv = dict(model_name=model_name, engine=engine)
         self._gauges = [(f, _family("gauge", n, d).labels(**lv)) for n, (f, d) in GAUGES.items()]
         self._counters = [(f, _family("counter", n, d).labels(**lv)) for n, (f, d) in COUNTERS.items()]
+        self._histograms = [(k, _family("histogram", n, d, b).labels(**lv)) for n, (k, d, b) in HISTOGRAMS.items()]
         self._last: dict[str, float] = {f: 0 for f, _ in self._counters}
         self._last_gauges: dict[str, float] = {}
         for f, g in self._gauges:
@@ -257,6 +275,14 @@ class VTokenMetrics:
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "VTokenMetrics":
         return cls(*_labels_from_config(vllm_config))
+
+    def observe_finished(self, lifetime: dict) -> None:
+        """Observe one finished request's :data:`HISTOGRAMS` figures (``lifetime``: a
+        ``RequestState.lifetime()`` dict; a missing or None figure is skipped)."""
+        for k, h in self._histograms:
+            v = lifetime.get(k)
+            if v is not None:
+                h.observe(v)
 
     def update(self, stats) -> None:
         """Publish ``stats`` (a ``VTokenStats``): set the gauges, add counter deltas."""

@@ -1055,7 +1055,9 @@ class VTokenSchedulerMixin:
     def _vt_record_finished(self, rid: str, st: RequestState) -> None:
         if len(self.vt_finished) >= 100_000:
             del self.vt_finished[: len(self.vt_finished) // 2]
-        self.vt_finished.append(st.lifetime(rid))
+        rec = st.lifetime(rid)
+        self.vt_finished.append(rec)
+        self._vt_metrics.observe_finished(rec)
 
     def _vt_update_gauges(self) -> None:
         s = self.vt_stats
