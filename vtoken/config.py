@@ -158,8 +158,8 @@ class VTokenConfig(BaseModel):
         description="when a long prompt is cut to the budget. after: at the first decode step, the whole prompt held "
         "until then; chunks: between prefill chunks too (vLLM's chunked prefill, --max-num-batched-tokens sets the "
         "chunk), so a request never holds more than about budget + chunk tokens, and a prompt longer than the KV "
-        "cache is served. chunks needs decide_on worker and pacing fixed (docs/device-decisions.md, \"Eviction "
-        "between prefill chunks\")",
+        "cache is served. Under pacing pressure a request evicts between chunks only when the pool is short, as in "
+        "decode. chunks needs decide_on worker (docs/device-decisions.md, \"Eviction between prefill chunks\")",
     )
     protect_cached_prefix: bool = Field(
         False,
@@ -223,11 +223,11 @@ class VTokenConfig(BaseModel):
                 f"live in the worker's side cache), got vtoken.decide_on = {self.decide_on!r}; allowed with "
                 "decide_on scheduler: granularity 'request' (or leave it unset)"
             )
-        if self.prefill_eviction == "chunks" and (self.decide_on != "worker" or self.pacing != "fixed"):
+        if self.prefill_eviction == "chunks" and self.decide_on != "worker":
             raise ValueError(
-                f"vtoken.prefill_eviction = 'chunks' needs vtoken.decide_on = 'worker' and vtoken.pacing = 'fixed' "
-                f"(each chunk's statistics are folded on the worker in its own step), got decide_on = "
-                f"{self.decide_on!r}, pacing = {self.pacing!r}; allowed otherwise: prefill_eviction 'after'")
+                f"vtoken.prefill_eviction = 'chunks' needs vtoken.decide_on = 'worker' (each chunk's statistics are "
+                f"folded on the worker in its own step), got decide_on = {self.decide_on!r}; allowed with decide_on "
+                "scheduler: prefill_eviction 'after'")
         sinks, recent = self.protections()
         if self.budget_ratio is None and sinks + recent > self.budget:
             raise ValueError(

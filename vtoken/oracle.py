@@ -392,6 +392,7 @@ def oracle_generate(
     evict_schedule: Optional[dict[int, int]] = None,
     preempt_at: Optional[Sequence[int]] = None,
     prefill_chunks: Optional[Sequence[int]] = None,
+    prefill_evict_schedule: Optional[dict[int, int]] = None,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
 
@@ -434,6 +435,11 @@ def oracle_generate(
             the first the request evicts ``num_to_evict(live, budget, slack)`` tokens, as a
             decode step would (issue "bounded prefill"); their positions are in
             ``OracleResult.prefill_evicted_positions``. ``score_lag`` 0 only.
+        prefill_evict_schedule: with ``prefill_eviction == "chunks"``, chunk index ``c``
+            (``1 <= c < len(prefill_chunks)``) -> tokens to ask the policy to evict before chunk
+            ``c``, replacing the ``budget + slack`` rule there, as ``evict_schedule`` replaces it in
+            decode (pressure pacing evicts between chunks only when the pool is short; the engine
+            logs ``RequestState.prefill_evict_log``). A boundary not in it evicts nothing.
 
     Returns:
         :class:`OracleResult`.
@@ -443,7 +449,8 @@ def oracle_generate(
             sliding-window cache layer, ``policy`` without ``cfg``, ``score_lag < 0``,
             ``protected_prefix < 0``, or ``score_lag != 0`` / ``preempt_at`` with a
             granularity other than ``"request"``, ``prefill_chunks`` that are not positive or
-            do not sum to the prompt length, or several chunks with ``score_lag != 0``.
+            do not sum to the prompt length, or several chunks with ``score_lag != 0``, or a
+            ``prefill_evict_schedule`` key outside ``1 .. len(prefill_chunks) - 1``.
         RuntimeError: the policy returned invalid victims (out of range, duplicates), or
             the token sets evicted different counts.
     """
@@ -465,6 +472,9 @@ def oracle_generate(
     if len(chunks) > 1 and score_lag:
         raise ValueError(f"oracle_generate: score_lag = {score_lag} with {len(chunks)} prefill chunks; allowed: "
                          "score_lag 0 (decide_on: worker folds each chunk's statistics in its own step)")
+    if prefill_evict_schedule is not None and any(not 1 <= int(c) < len(chunks) for c in prefill_evict_schedule):
+        raise ValueError(f"oracle_generate: prefill_evict_schedule keys {sorted(prefill_evict_schedule)}; allowed: "
+                         f"chunk indices 1 .. {len(chunks) - 1} (the boundaries between the {len(chunks)} chunks)")
     preempt_set = {int(d) for d in (preempt_at or ())}
     if any(d < 1 for d in preempt_set):
         raise ValueError(f"oracle_generate: preempt_at = {sorted(preempt_set)}; allowed: decode steps >= 1")
@@ -642,7 +652,8 @@ def oracle_generate(
         for ci, q in enumerate(chunks):
             n = len(pos[0])
             if ci and chunked_evict:
-                k = num_to_evict(n, budget, slack)
+                k = (num_to_evict(n, budget, slack) if prefill_evict_schedule is None
+                     else min(int(prefill_evict_schedule.get(ci, 0)), n))
                 ev = evict(k, n) if k > 0 else [empty] * S
                 res_prefill_evicted.append(ev[0])
                 n = len(pos[0])

@@ -53,14 +53,20 @@ def tiny() -> str:
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny):
+def oracle_model(tiny):
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from vtoken.oracle import load_oracle_model
 
     torch.set_num_threads(2)
-    model = load_oracle_model(tiny)
-    return lambda prompt, cfg, chunks: oracle_generate(model, prompt, NEW, cfg, prefill_chunks=chunks)
+    return load_oracle_model(tiny)
+
+
+@pytest.fixture(scope="module")
+def oracle(oracle_model):
+    from vtoken.oracle import oracle_generate
+
+    return lambda prompt, cfg, chunks: oracle_generate(oracle_model, prompt, NEW, cfg, prefill_chunks=chunks)
 
 
 def _check(path: str, out: dict, oracle) -> None:
@@ -81,6 +87,9 @@ def _check(path: str, out: dict, oracle) -> None:
         # evictions before a prefill chunk are logged at decode step 0, one per chunk boundary that evicted
         between = [k for d, k in f["evict_log"] if d == 0]
         assert len(between) == sum(len(e) > 0 for e in ref.prefill_evicted_positions), r["id"]
+        # ... and in prefill_evict_log with the chunk boundary (the chunks done before it)
+        assert [c for c, _ in f["prefill_evict_log"]] == [
+            c + 1 for c, e in enumerate(ref.prefill_evicted_positions) if len(e)], r["id"]
         chunked += bool(between)
         events += len(between)
         # the bound: never more than budget + chunk (+1: the token sampled last) live tokens
@@ -98,6 +107,52 @@ def test_v1_sync(tiny, oracle):
 def test_mrv2_async(tiny, oracle):
     out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=VT, requests=REQUESTS), env=path_env("mrv2-async"))
     _check("mrv2-async", out, oracle)
+
+
+# Item 1 under pressure pacing: a request evicts between the chunks of its prompt only when the pool
+# is short, as in decode. 25 usable blocks for eight running requests (the 300-token prompts alone
+# would need 80 without eviction); the engine logs which chunk boundaries evicted how many
+# (prefill_evict_log) and the oracle replays those and the decode steps' counts (the victims are the
+# policy's own, as under fixed pacing). Pressure is spread over the requests with the most
+# reclaimable blocks, so most boundaries do not evict.
+PRESSURE_BLOCKS = 26
+
+
+def test_pressure_pacing_between_chunks(tiny, oracle_model):
+    from vtoken.oracle import oracle_generate
+
+    vt = dict(VT, pacing="pressure")
+    out = run_in_subprocess(dict(engine=dict(_engine(tiny), num_gpu_blocks_override=PRESSURE_BLOCKS), vtoken=vt,
+                                 requests=REQUESTS), env=path_env("v1-sync"))
+    s = out["vtoken"]["stats"]
+    assert s["request_faults"] == 0 and s["preemption_resets"] == 0 and s["pressure_events"] > 0
+    assert out["free_blocks_end"] == out["free_blocks_start"] == PRESSURE_BLOCKS - 1
+    fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
+    base = parse_config(vt)
+    bad, between, boundaries_over = [], 0, 0
+    for r in REQUESTS:
+        f = fin[r["id"]]
+        pre = {int(c): int(k) for c, k in f["prefill_evict_log"]}
+        # the same evictions, in evict_log at decode step 0
+        assert [k for d, k in f["evict_log"] if d == 0] == [k for _, k in f["prefill_evict_log"]], r["id"]
+        assert all(1 <= c < len(f["prefill_chunks"]) for c in pre), (r["id"], pre)
+        ref = oracle_generate(oracle_model, r["prompt_token_ids"], NEW,
+                              parse_request_overrides(r["extra_args"]).apply(base),
+                              prefill_chunks=f["prefill_chunks"], prefill_evict_schedule=pre,
+                              evict_schedule={int(d): int(k) for d, k in f["evict_log"] if d > 0})
+        if out["tokens"][r["id"]] != list(ref.token_ids):
+            bad.append(r["id"])
+        assert ref.num_evicted + sum(map(len, ref.prefill_evicted_positions)) == f["evicted"], r["id"]
+        between += len(pre)
+        # the boundaries where fixed pacing would have evicted (live above the budget before a chunk)
+        live = 0
+        for c, q in enumerate(f["prefill_chunks"]):
+            if c:
+                boundaries_over += live > BUDGET
+                live -= pre.get(c, 0)
+            live += q
+    assert not bad, bad
+    assert s["prefill_evictions"] == between and 3 <= between < boundaries_over // 2, (between, boundaries_over)
 
 
 # Item 2: a prompt 4x longer than the KV pool (the issue's 8,192 tokens in 2,048 at budget 512, chunk
@@ -126,13 +181,12 @@ def test_stock_vllm_refuses_that_engine(tiny):
                           env=path_env("v1-sync"))
 
 
-def test_refused_without_worker_decisions():
+def test_refused_without_worker_decisions_only():
     from vtoken.config import VTokenConfigError
 
     with pytest.raises((ValueError, VTokenConfigError), match="prefill_eviction = 'chunks' needs vtoken.decide_on"):
         parse_config(dict(VT, decide_on="scheduler"))
-    with pytest.raises((ValueError, VTokenConfigError), match="pacing = 'pressure'"):
-        parse_config(dict(VT, pacing="pressure"))
+    assert parse_config(dict(VT, pacing="pressure")).prefill_eviction == "chunks"  # pressure: allowed
 
 
 if __name__ == "__main__":  # pragma: no cover

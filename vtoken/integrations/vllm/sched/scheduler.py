@@ -112,7 +112,7 @@ class VTokenSchedulerMixin:
         #: decide_on: worker: this scheduler computes only how many tokens each request evicts
         #: (counts, CountTable); the worker picks which (docs/device-decisions.md)
         self._vt_worker: bool = self.vt_cfg.decide_on == "worker"
-        #: prefill_eviction: chunks (decide_on: worker, fixed pacing): requests evict between prefill chunks too
+        #: prefill_eviction: chunks (decide_on: worker): requests evict between prefill chunks too
         self._vt_chunks: bool = self.vt_cfg.prefill_eviction == "chunks"
         self._vt_is_async: bool = isinstance(self, AsyncScheduler)
         self._vt_gauges_at = float("-inf")
@@ -226,7 +226,7 @@ class VTokenSchedulerMixin:
         else:
             st = RequestState(**args, table=TokenTable(self._vt_bs))
         st.may_evict = self._vt_may_evict(cfg, request)
-        st.chunk_evict = cfg.prefill_eviction == "chunks"  # (decide_on: worker, fixed pacing: VTokenConfig)
+        st.chunk_evict = cfg.prefill_eviction == "chunks"  # (decide_on: worker: VTokenConfig)
         st.score_need = pol.needs.value
         st.score_every = cfg.score_every
         st.recent = pol.recent_tokens
@@ -395,7 +395,8 @@ class VTokenSchedulerMixin:
     def _vt_schedule_counts(self, *args, **kwargs):
         """``schedule()`` under ``decide_on: worker``: integers only, a few per request.
 
-        Per running request past its prefill: ``k`` from fixed pacing (or the pressure plan), the
+        Per running request past its prefill (or, with ``prefill_eviction: chunks``, between two
+        chunks of its prompt): ``k`` from fixed pacing (or the pressure plan), the
         count-only eviction (:meth:`_vt_evict_count`); then the stock ``schedule()``; then per
         scheduled request the count of its new tokens, whether it scores, and its lifetime block
         figures (``_vt_after_scheduled`` in counts: no refill, since a preempted request
@@ -420,7 +421,8 @@ class VTokenSchedulerMixin:
             eligible = []
             for order, req in enumerate(self.running):
                 st = states.get(req.request_id)
-                if st is not None and st.decoding and st.may_evict and not st.faulted and not (
+                # decoding, or (prefill_eviction: chunks) between two chunks of its prompt
+                if st is not None and (st.decoding or st.chunk_evict) and st.may_evict and not st.faulted and not (
                         is_async and self._vt_done_in_flight(req)):
                     eligible.append((order, req, st))
             plan = self._vt_pressure_plan(eligible)
@@ -603,7 +605,13 @@ class VTokenSchedulerMixin:
             live = m[C.LIVE]
         k = live - m[C.BUDGET]
         # evict_log: the count asked, before the cap, at decode step d (0: before a prefill chunk)
-        self._vt_cols.log_evictions(r, m, m[C.DECODE_STEPS] - ((m[C.FLAGS] & C.DECODING) == 0), k)
+        prefill = (m[C.FLAGS] & C.DECODING) == 0
+        self._vt_cols.log_evictions(r, m, m[C.DECODE_STEPS] - prefill, k)
+        if self._vt_chunks and np.count_nonzero(prefill):  # before a prefill chunk: which boundary (few rows)
+            states = self._vt_states
+            for i, ki in zip(np.flatnonzero(prefill).tolist(), k[prefill].tolist()):
+                st = states[rids[int(pos[i])]]
+                st.prefill_evict_log.append((len(st.chunk_log), ki))
         if np.count_nonzero(m[C.CAP_OVER] > 0):  # (else no protection can cap k: counts.derived)
             # evictable(live, logical, 0, recent, floor): positions below the floor are all live,
             # so min(floor, logical, live) == min(floor, live)
@@ -826,6 +834,8 @@ class VTokenSchedulerMixin:
         if k > 0 and not self._vt_ready_to_evict(rid, st, table.num_live - k, payload):
             return
         st.log_eviction(st.decode_steps + 1 if st.decoding else 0, asked)  # (0: before a prefill chunk)
+        if not st.decoding:
+            st.prefill_evict_log.append((len(st.chunk_log), asked))
         if k <= 0:
             return
         table.evict(k)

@@ -109,6 +109,11 @@ class RequestState:
     #: tokens scheduled in each prefill chunk (``decide_on: worker``; the oracle replays the
     #: chunking, ``oracle_generate(prefill_chunks=...)``)
     chunk_log: list = field(default_factory=list)
+    #: ``prefill_eviction: chunks``: ``(boundary, k)`` per eviction before a prefill chunk, ``boundary``
+    #: the chunks done before it (``chunk_log`` index of the next chunk), ``k`` the count asked (as
+    #: ``evict_log``, which logs the same evictions at decode step 0); the oracle's
+    #: ``prefill_evict_schedule`` (pressure pacing decides these counts from pool state)
+    prefill_evict_log: list = field(default_factory=list)
 
     def log_eviction(self, step: int, k: int) -> None:
         """Append ``(step, k)`` to :attr:`evict_log` (a :class:`~vtoken.integrations.vllm.sched.counts.CountState`
@@ -152,7 +157,7 @@ class RequestState:
             evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
             protected=self.protected, cached_tokens=self.cached_tokens,
             evict_log=[list(e) for e in self.evict_log], preempt_log=[list(e) for e in self.preempt_log],
-            prefill_chunks=list(self.chunk_log),
+            prefill_chunks=list(self.chunk_log), prefill_evict_log=[list(e) for e in self.prefill_evict_log],
         )
 
 
