@@ -64,7 +64,7 @@ def make_spec(model_dir: Path, dtype: str, vocab: tuple[int, int], vt: dict | No
                   block_size=block_size, enforce_eager=True, gpu_memory_utilization=0.1,
                   kv_cache_memory_bytes=256 << 20, num_gpu_blocks_override=blocks, skip_tokenizer_init=True,
                   max_num_seqs=max(batch, 8),
-                  # (distinct prompts: nothing to hit; and decide_on: worker is refused with prefix caching)
+                  # (distinct prompts: nothing to hit)
                   enable_prefix_caching=False)
     return dict(engine=engine, vtoken=vt, requests=reqs, check=False)
 

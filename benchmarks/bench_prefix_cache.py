@@ -8,8 +8,8 @@ Method:
   statistics, so a request keeps its cache hit, docs/integration.md, "Prefix caching");
   ``vtoken_tova``: a policy that needs no prompt statistics, so a first eviction copies the cached
   blocks it writes; ``vtoken_protect_prompt`` (H2O, ``protect_cached_prefix: true``), all at
-  ``--budget``. (``decide_on: worker`` is refused with prefix caching: the committed result's
-  ``vtoken_keydiff`` arm was run before that refusal and is left out of the table.)
+  ``--budget``. (The committed result's ``vtoken_keydiff`` arm, ``decide_on: worker``, ran before
+  a hit became read-only for its sharer there, so it is left out of the table.)
 * Workload: ``--conversations`` ShareGPT conversations with at least ``--turns`` user turns,
   each user turn cut to ``--turn-chars`` characters, all starting with the same system prompt
   (a shared prefix across conversations). The conversations run concurrently (one thread

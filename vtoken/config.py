@@ -143,7 +143,8 @@ class VTokenConfig(BaseModel):
         description="where eviction decisions run. scheduler: per request inside vLLM's scheduler (every feature). "
         "worker: the scheduler computes from counts only how many tokens each request evicts, and the worker picks "
         "which, batched in torch, with the policy state next to the KV cache; async scheduling then decides exactly "
-        "as sync; refused (by name) with mode naive, with vLLM prefix caching on and on the CUDA worker (docs/device-decisions.md)",
+        "as sync; refused (by name) with mode naive and on the CUDA worker (docs/device-decisions.md); with vLLM prefix "
+        "caching a request keeps its cache hit under every policy",
     )
     granularity: Optional[Literal["request", "layer", "head", "head_shared"]] = Field(
         None,

@@ -159,6 +159,9 @@ class DeviceDecider:
         self.num_sets = self.side.num_sets
         self.live = torch.zeros(max_requests, dtype=torch.int64, device=device)
         self.logical = torch.zeros(max_requests, dtype=torch.int64, device=device)
+        #: per request row: its first ``shared`` slots are read-only (prefix-cache blocks other
+        #: requests hold too, :meth:`share_prefix`): their policy state is never written
+        self.shared = torch.zeros(max_requests, dtype=torch.int64, device=device)
         self.req_fields = {k: torch.zeros((self.num_sets, max_requests), dtype=dt, device=device)
                            for k, dt in policy.request_specs().items()}
 
@@ -169,7 +172,7 @@ class DeviceDecider:
             return
         grow = lambda t, d=0: torch.cat([t, torch.zeros((*t.shape[:d], n - have, *t.shape[d + 1:]), dtype=t.dtype,  # noqa: E731
                                                         device=t.device)], dim=d)
-        self.live, self.logical = grow(self.live), grow(self.logical)
+        self.live, self.logical, self.shared = grow(self.live), grow(self.logical), grow(self.shared)
         self.req_fields = {k: grow(t, 1) for k, t in self.req_fields.items()}
 
     # (set, request) rows: [S, R, N, *lead] <-> [S*R, N, *lead] (row s*R + r), views, no copy
@@ -201,13 +204,24 @@ class DeviceDecider:
         """New requests (or a request whose state is dropped) at ``rows``: nothing live."""
         self.live[rows] = 0
         self.logical[rows] = 0
+        self.shared[rows] = 0
         for t in self.req_fields.values():
             t[:, rows] = 0
+
+    def share_prefix(self, rows: torch.Tensor, n: torch.Tensor | int) -> None:
+        """Mark the first ``n`` slots of request ``rows`` (int64 ``[R]``; ``n`` int or ``[R]``,
+        whole blocks) as shared: a prefix-cache hit, blocks other requests hold and write too.
+        From now on this request writes their logical positions (the same values every holder
+        writes: slot ``p`` holds position ``p`` in a cached block) but never their policy state,
+        in :meth:`append` and :meth:`observe`; the request must protect them from eviction
+        (``protected_prefix >= n``), so their state is never read for it either. Cleared by
+        :meth:`reset`."""
+        self.shared[rows] = n
 
     def append(self, rows: torch.Tensor, block_table: torch.Tensor, counts: torch.Tensor) -> None:
         """Append ``counts[i]`` new tokens to request ``rows[i]``: logical positions
         ``logical..logical+count-1`` go to slots ``live..live+count-1`` in every set, with
-        zeroed state.
+        zeroed state (except in shared slots, :meth:`share_prefix`).
 
         Args:
             counts: int64 ``[R]``, ``>= 0``; the block table must cover the new slots.
@@ -225,8 +239,10 @@ class DeviceDecider:
         rel_safe = torch.where(mask, rel, 0)
         slots = block_table.gather(1, rel_safe // bs).to(torch.int64) * bs + rel_safe % bs
         at = slots[mask]
+        own = slots[mask & (rel >= self.shared[rows][:, None])]
         for k, t in self.side.fields.items():
-            t[:, at] = 0
+            if k != "pos":
+                t[:, own] = 0
         self.side.fields["pos"][:, at] = (self.logical[rows][:, None] + j[None, :])[mask][None, :]
         self.live[rows] += counts
         self.logical[rows] += counts
@@ -277,7 +293,8 @@ class DeviceDecider:
             extra["key_sim"] = torch.where(mask_f, key_sim.transpose(0, 1).reshape(sets * r, n),
                                            torch.full((), float("nan"), dtype=key_sim.dtype, device=key_sim.device))
         self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row), **extra)
-        self.side.scatter(slots, mask, {k: self._unflat(v) for k, v in fields.items() if k != "pos"})
+        own = mask & (torch.arange(n, device=rows.device)[None, :] >= self.shared[rows][:, None])  # (share_prefix)
+        self.side.scatter(slots, own, {k: self._unflat(v) for k, v in fields.items() if k != "pos"})
         for k, t in self.req_fields.items():
             t[:, rows] = req[k].reshape(sets, r)
 

@@ -224,3 +224,29 @@ def test_side_cache_moves_every_field_and_counts_bytes():
         SideCache(4, {}, num_sets=0)
     with pytest.raises(ValueError, match="'pos' is reserved"):
         SideCache(4, {"pos": ((), torch.int64)})
+
+
+def test_shared_prefix_state_is_read_only_for_the_sharer():
+    """A prefix-cache hit (``share_prefix``): the sharer writes the shared slots' logical
+    positions but never their policy state (append zeroes only its own slots, observe folds
+    only into them), so the owner's H2O scores there stay its own; the sharer's own slots fold
+    as usual."""
+    cfg = VTokenConfig(policy="h2o", budget=8, recent_tokens=1)
+    dec = DeviceDecider(cfg.make_policy(), 64, B, max_requests=2)
+    owner, sharer = torch.tensor([0]), torch.tensor([1])
+    bt_owner = torch.tensor([[0, 1, 2, 3]])
+    bt_sharer = torch.tensor([[0, 5, 6, 7]])  # block 0 (slots 0..B-1) shared
+    dec.reset(torch.tensor([0, 1]))
+    dec.append(owner, bt_owner, torch.tensor([B + 2]))
+    dec.observe(owner, bt_owner, torch.arange(B + 2, dtype=torch.float64)[None, :] + 1, None)
+    before = dec.side.fields["acc"][0, :B].clone()
+    dec.share_prefix(sharer, B)
+    dec.append(sharer, bt_sharer, torch.tensor([B + 3]))  # the hit's B tokens and 3 of its own
+    dec.observe(sharer, bt_sharer, torch.full((1, B + 3), 100.0, dtype=torch.float64), None)
+    assert torch.equal(dec.side.fields["acc"][0, :B], before)  # the owner's scores, untouched
+    assert dec.side.fields["acc"][0, 5 * B: 5 * B + 3].tolist() == [100.0] * 3  # the sharer's own
+    assert dec.logical_pos(1, bt_sharer[0]).tolist() == list(range(B + 3))
+    # without share_prefix the sharer's append would have zeroed the owner's scores
+    dec.reset(sharer)
+    dec.append(sharer, bt_sharer, torch.tensor([B]))
+    assert dec.side.fields["acc"][0, :B].abs().sum() == 0

@@ -16,7 +16,9 @@ of every hashed block a request holds after every step and fails if one changes.
 * ``default_run`` (v1-sync): A (it evicts inside its prompt), B (A's prefix), A again, A's second
   turn (A's prompt + answer + a question), B and A with TOVA, one after the other; then four
   requests sharing the prefix decode and evict together. Also on mrv2-async and under
-  ``protect_cached_prefix: true``; ``decide_on: worker`` is refused with prefix caching.
+  ``protect_cached_prefix: true``.
+* ``decide_on: worker``: a request's hit is read-only for it (its side-cache state belongs to the
+  request that computed the blocks) and protected; sharers of one policy beside their owner.
 * A pool too small for the copies: first evictions deferred, no lost request, no write to a
   cached block, tokens equal the oracle replaying the logged evictions and preemptions.
 """
@@ -229,12 +231,33 @@ def test_default_on_mrv2_async(tiny, default_run):
     _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT_DEFAULT, lag=SCORE_LAG["mrv2-async"])
 
 
-def test_worker_decisions_refused_with_prefix_caching(tiny):
-    """``decide_on: worker`` keeps per-token policy state indexed by KV slot, so requests sharing
-    cached blocks would share it: refused at start-up, by name, before the model loads."""
-    with pytest.raises(RuntimeError, match=r"vtoken.decide_on = 'worker': vToken does not support it yet "
-                                           r"\(requests holding the same cached blocks"):
-        _run(tiny, dict(VT_DEFAULT, decide_on="worker"), [[_req("A", A)]], "v1-sync", digests=False)
+# decide_on: worker keeps per-token policy state in side caches indexed by KV slot, so requests
+# holding the same cached blocks address the same state. W (H2O, budget 96, slack 120) computes and
+# caches the prefix and decodes without evicting for ~48 steps, then evicts 120 tokens at once; four H2O requests (one side cache: same
+# policy, same token sets) arrive after W's prefill, hit the prefix and evict beside it (their hit
+# is kept: never written, never read for them). W's first eviction, inside the prefix, then
+# follows W's own statistics for those slots: its tokens equal the oracle's for W alone. (Before
+# the hit was read-only, the sharers' statistics were folded into W's state there.)
+WORKER_VT = dict(VT, budget=96, slack=120, decide_on="worker")
+WORKER_PHASES = [[_req("W", PREFIX + _suffix(20, 40))] + [
+    dict(_req(f"S{i}", PREFIX + _suffix(21 + i, 60 + 10 * i), {"vtoken_budget": 100}), arrive_after=2)
+    for i in range(4)]]
+
+
+def test_worker_decisions_share_cached_blocks_read_only(tiny):
+    out = _run(tiny, WORKER_VT, WORKER_PHASES, "v1-sync", digests=True)
+    assert out["paths"] == EXPECTED["v1-sync"]
+    fin = out["finished"]
+    assert out["num_cached_tokens"]["W"] == 0 and fin["W"]["protected"] == 0
+    assert all(out["num_cached_tokens"][f"S{i}"] == 128 and fin[f"S{i}"]["protected"] == 128 for i in range(4))
+    assert out["max_ref_cnt"] >= 5 and out["shared_steps"] > 0  # W and the four sharers at once
+    assert all(fin[r]["evicted"] > 0 for r in ["W"] + [f"S{i}" for i in range(4)])
+    assert out["stats"]["request_faults"] == 0 and out["digest_checks"] > 0
+    _check_against_oracle(tiny, out, WORKER_PHASES, WORKER_VT)
+    # the case binds: alone, W evicts inside the prefix the sharers hold
+    _, evicted = _oracle_tokens(tiny, out["prompts"]["W"], None, WORKER_VT, 0)
+    assert min(int(e.min()) for e in evicted if len(e)) < 128
+    assert out["free_after_phase"] == [out["free_start"]]
 
 
 # A pool too small for every first eviction's copies: W caches the 128-token prefix; then four

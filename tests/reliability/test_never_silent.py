@@ -208,10 +208,9 @@ def test_start_up_changes_no_setting(probe):
         assert r["prefix_caching"] == r["stock_prefix_caching"], (case, r)
     # resolved as stock resolves it: on by default, off when the user turns it off
     assert (probe["base"]["prefix_caching"], probe["prefix_off"]["prefix_caching"]) == (True, False)
-    # prefix caching alone is never refused (it used to be refused, and before that turned off);
-    # the one refusal naming it is its combination with decide_on: worker (issue 24's review)
-    assert [r.key for r in REFUSALS if "prefix" in r.option] == ["worker_prefix_caching"]
-    assert _row("worker_prefix_caching").option.startswith("vtoken.decide_on = worker with ")
+    # no prefix-caching refusal is left (it used to be refused, and before that turned off; its
+    # combination with decide_on: worker was refused until a hit became read-only for its sharer)
+    assert all("prefix" not in r.option for r in REFUSALS)
 
 
 @pytest.mark.parametrize("case, value", [("kv_fp8_e5m2", "fp8_e5m2"), ("kv_turboquant", "turboquant_k8v4")])

@@ -76,12 +76,12 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     "worker_naive": ({}, {"decide_on": "worker", "mode": "naive"},
                      ["vtoken.decide_on = 'worker'", "does not support", "Naive-Evict's dead-block counts",
                       "allowed with mode naive: decide_on scheduler"]),
-    "worker_prefix_caching": ({"enable_prefix_caching": True}, {"decide_on": "worker"},
-                              ["vtoken.decide_on = 'worker'", "does not support", "requests holding the same cached "
-                               "blocks", "--no-enable-prefix-caching"]),
 }
 OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None),
-            "worker": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64})}
+            "worker": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64}),
+            # prefix caching with worker decisions (refused until a hit became read-only for its sharer)
+            "worker_prefix_caching": ({"enable_prefix_caching": True}, {"decide_on": "worker", "policy": "h2o",
+                                                                        "budget": 64})}
 
 
 def _engine(model: str, extra: dict, vt) -> dict:

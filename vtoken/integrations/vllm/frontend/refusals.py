@@ -96,10 +96,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("worker_naive", "vtoken.decide_on = worker with vtoken.mode = naive", "start-up",
             "Naive-Evict's dead-block counts need each eviction's positions, which stay on the worker; allowed with "
             "mode naive: decide_on scheduler (the default)"),
-    Refusal("worker_prefix_caching", "vtoken.decide_on = worker with prefix caching on (vLLM's default)", "start-up",
-            "requests holding the same cached blocks at once would share the per-token policy state the worker "
-            "keeps next to those blocks (its side cache is indexed by KV slot), so one request's statistics would "
-            "steer another's evictions; allowed: decide_on scheduler (the default), or --no-enable-prefix-caching"),
     Refusal("worker_cuda", "vtoken.decide_on = worker on the CUDA worker", "start-up",
             "the worker-side decisions have not run on a GPU yet; allowed on CUDA: decide_on scheduler (the default)"),
     Refusal("per_head_replicated_kv", "vtoken.granularity = head or head_shared with --tensor-parallel-size above the "

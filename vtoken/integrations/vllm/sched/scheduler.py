@@ -235,7 +235,10 @@ class VTokenSchedulerMixin:
         # A hit supplies the KV the request would have computed; its first eviction copies the
         # cached blocks it may write (_vt_ready_to_evict). A policy whose state needs the
         # statistics of the prompt's tokens (prompt_statistics: H2O's column sums ...) never got
-        # the hit's, so the hit is kept (protected): its blocks stay shared, never copied.
+        # the hit's, so the hit is kept (protected): its blocks stay shared, never copied. Under
+        # decide_on: worker every policy keeps its hit: the worker's side cache is indexed by KV
+        # slot, so the hit's policy state belongs to the request that computed those blocks
+        # (worker/decisions.py, "Prefix caching").
         hit = max(0, request.num_computed_tokens - scheduled)
         if hit:
             st.cached_tokens = hit
@@ -245,7 +248,7 @@ class VTokenSchedulerMixin:
         if self._vt_caching and st.may_evict:
             bs = self._vt_bs
             st.protected = max(self._vt_prompt_protected(cfg, request),
-                               hit // bs * bs if pol.prompt_statistics else 0)
+                               hit // bs * bs if pol.prompt_statistics or self._vt_worker else 0)
         st.floor = max(pol.sink_tokens, st.protected)
         self._vt_states[rid] = st
         self._vt_accounting.track(rid, st)

@@ -21,6 +21,14 @@ the TP group) are folded into the side cache; nothing goes back to the scheduler
 runs the same deterministic selection on the same statistics, so all ranks hold the same tables.
 
 A preempted request's state is dropped here as in the scheduler: it restarts from its prompt.
+
+**Prefix caching.** The side caches are indexed by KV slot, so requests that hold the same cached
+blocks (a hit) would share those slots' policy state. A request's hit is therefore read-only for
+it (``DeviceDecider.share_prefix``): it writes the hit slots' logical positions (the values every
+holder writes) but never their policy state, and the scheduler protects the hit from its eviction
+(``protected_prefix``), so that state is never read for it either. The request that computed the
+blocks owns their state and keeps writing it until its first eviction copies them into private
+blocks (``copy_slots``). Tokens then equal the dense oracle with ``protected_prefix`` = the hit.
 """
 
 from __future__ import annotations
@@ -170,7 +178,10 @@ class WorkerDecisions:
                             "(%.2f%% of the KV cache)", spec.policy.name, args, spec.granularity, sets,
                             b, b * self.num_slots / 2**20,
                             100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
-            self.where[rid] = (g, g.add(), spec)
+            row = g.add()
+            self.where[rid] = (g, row, spec)
+            if spec.cached_tokens:  # a prefix-cache hit: blocks others hold and write (module docstring)
+                g.dec.share_prefix(torch.tensor([row], device=g.dec.live.device), spec.cached_tokens)
         for rid, entries in payload.unshare.items():  # (copied by the caller before this)
             got = self.where.get(rid)
             if got is not None:
