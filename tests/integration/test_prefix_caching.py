@@ -244,15 +244,18 @@ WORKER_PHASES = [[_req("W", PREFIX + _suffix(20, 40))] + [
     for i in range(4)]]
 
 
-def test_worker_decisions_share_cached_blocks_read_only(tiny):
-    out = _run(tiny, WORKER_VT, WORKER_PHASES, "v1-sync", digests=True)
-    assert out["paths"] == EXPECTED["v1-sync"]
+@pytest.mark.parametrize("path", ["v1-sync", "mrv2-async"])
+def test_worker_decisions_share_cached_blocks_read_only(tiny, path):
+    """Under ``decide_on: worker`` async scheduling decides as sync (no score lag), so both paths
+    equal the same oracle; block digests are taken under sync scheduling only."""
+    out = _run(tiny, WORKER_VT, WORKER_PHASES, path, digests=path == "v1-sync")
+    assert out["paths"] == EXPECTED[path]
     fin = out["finished"]
     assert out["num_cached_tokens"]["W"] == 0 and fin["W"]["protected"] == 0
     assert all(out["num_cached_tokens"][f"S{i}"] == 128 and fin[f"S{i}"]["protected"] == 128 for i in range(4))
     assert out["max_ref_cnt"] >= 5 and out["shared_steps"] > 0  # W and the four sharers at once
     assert all(fin[r]["evicted"] > 0 for r in ["W"] + [f"S{i}" for i in range(4)])
-    assert out["stats"]["request_faults"] == 0 and out["digest_checks"] > 0
+    assert out["stats"]["request_faults"] == 0 and (out["digest_checks"] > 0) == (path == "v1-sync")
     _check_against_oracle(tiny, out, WORKER_PHASES, WORKER_VT)
     # the case binds: alone, W evicts inside the prefix the sharers hold
     _, evicted = _oracle_tokens(tiny, out["prompts"]["W"], None, WORKER_VT, 0)
