@@ -182,7 +182,9 @@ def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: 
     if policy is not None:
         extra = {"vtoken": {"policy": policy, "budget": budget, "slack": slack}}
         if where == "worker":
-            extra["vtoken"]["decide_on"] = "worker"
+            # prefill_eviction after: the scheduler arm's rule (chunks, the worker's default, cannot
+            # run there), so both arms evict the same counts at the same steps
+            extra["vtoken"].update(decide_on="worker", prefill_eviction="after")
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, additional_config=extra)
     num_blocks = num_blocks or num_requests * cdiv(max_model_len, block_size) + 16
     vc.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling

@@ -292,6 +292,22 @@ def concurrency_chunks_table(name: str = "concurrency_chunks.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+def quality_prefill_table(name: str = "quality_prefill.json") -> str:
+    """``bench_quality.py --prefill``: per policy and budget, ΔNLL over the full cache and
+    next-token agreement with it when the prompt is cut to the budget after the whole prompt and
+    between prefill chunks, and the mean peak of tokens held (prefill included)."""
+    d = _load(name)
+    summ = [s for s in d["oracle"]["summary"] if s["policy"] != "full"]
+    by = {(s["policy"], s["budget"], s["prefill_eviction"]): s for s in summ}
+    rows = ["| policy, budget | ΔNLL after / chunks | agreement after / chunks | peak tokens held after / chunks |",
+            "|---|---|---|---|"]
+    for pol, b in dict.fromkeys((s["policy"], s["budget"]) for s in summ):
+        a, c = by[(pol, b, "after")], by[(pol, b, "chunks")]
+        rows.append(f"| {pol}, {b} | {a['delta_nll']:+.3f} / {c['delta_nll']:+.3f} | {a['agree_full']:.3f} / "
+                    f"{c['agree_full']:.3f} | {a['mean_peak_live']:,.0f} / {c['mean_peak_live']:,.0f} |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -305,7 +321,7 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
           "prefix_cache_table": prefix_cache_table, "longest_prompt_table": longest_prompt_table,
-          "concurrency_chunks_table": concurrency_chunks_table}
+          "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table}
 
 
 if __name__ == "__main__":

@@ -154,13 +154,14 @@ class VTokenConfig(BaseModel):
         "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv head; tova layer; random, streaming request) under "
         "decide_on worker, request under decide_on scheduler; anything but request needs decide_on worker",
     )
-    prefill_eviction: Literal["after", "chunks"] = Field(
-        "after",
+    prefill_eviction: Optional[Literal["after", "chunks"]] = Field(
+        None,
         description="when a long prompt is cut to the budget. after: at the first decode step, the whole prompt held "
         "until then; chunks: between prefill chunks too (vLLM's chunked prefill, --max-num-batched-tokens sets the "
         "chunk), so a request never holds more than about budget + chunk tokens, and a prompt longer than the KV "
         "cache is served. Under pacing pressure a request evicts between chunks only when the pool is short, as in "
-        "decode. chunks needs decide_on worker (docs/device-decisions.md, \"Eviction between prefill chunks\")",
+        "decode. chunks needs decide_on worker. null: chunks under decide_on worker (the same quality as after, "
+        "measured), after under decide_on scheduler (docs/device-decisions.md, \"Eviction between prefill chunks\")",
     )
     protect_cached_prefix: bool = Field(
         False,
@@ -224,7 +225,7 @@ class VTokenConfig(BaseModel):
                 f"live in the worker's side cache), got vtoken.decide_on = {self.decide_on!r}; allowed with "
                 "decide_on scheduler: granularity 'request' (or leave it unset)"
             )
-        if self.prefill_eviction == "chunks" and self.decide_on != "worker":
+        if self.prefill_eviction == "chunks" and self.decide_on != "worker":  # (None resolves by decide_on)
             raise ValueError(
                 f"vtoken.prefill_eviction = 'chunks' needs vtoken.decide_on = 'worker' (each chunk's statistics are "
                 f"folded on the worker in its own step), got decide_on = {self.decide_on!r}; allowed with decide_on "
@@ -287,6 +288,15 @@ class VTokenConfig(BaseModel):
         if self.decide_on != "worker":
             return "request"
         return get_policy_class(self.policy).default_granularity()
+
+    def resolved_prefill_eviction(self) -> str:
+        """The prefill eviction in effect: ``prefill_eviction`` when set; else ``"chunks"`` under
+        ``decide_on: worker`` (bounded prefill at the same quality as ``after``,
+        ``benchmarks/results/quality_prefill.json``) and ``"after"`` under ``decide_on: scheduler``
+        (which cannot evict between chunks)."""
+        if self.prefill_eviction is not None:
+            return self.prefill_eviction
+        return "chunks" if self.decide_on == "worker" else "after"
 
     def resolved_slack(self) -> int:
         """Pacing slack in tokens after applying the policy default."""

@@ -431,11 +431,11 @@ def oracle_generate(
             the prompt length; default: one chunk), as vLLM's chunked prefill scheduled them.
             Each chunk attends over the live tokens of the chunks before it and itself
             (causal), and is scored in full, its last query row included (as ``decide_on:
-            worker`` scores every chunk). With ``cfg.prefill_eviction == "chunks"``, before each chunk but
+            worker`` scores every chunk). With ``cfg.resolved_prefill_eviction() == "chunks"``, before each chunk but
             the first the request evicts ``num_to_evict(live, budget, slack)`` tokens, as a
             decode step would (issue "bounded prefill"); their positions are in
             ``OracleResult.prefill_evicted_positions``. ``score_lag`` 0 only.
-        prefill_evict_schedule: with ``prefill_eviction == "chunks"``, chunk index ``c``
+        prefill_evict_schedule: with prefill eviction ``"chunks"``, chunk index ``c``
             (``1 <= c < len(prefill_chunks)``) -> tokens to ask the policy to evict before chunk
             ``c``, replacing the ``budget + slack`` rule there, as ``evict_schedule`` replaces it in
             decode (pressure pacing evicts between chunks only when the pool is short; the engine
@@ -646,7 +646,7 @@ def oracle_generate(
     with torch.inference_mode():
         # ---- prefill: chunk by chunk (one chunk by default); with prefill_eviction "chunks"
         # the request evicts down to its budget before each chunk but the first ----
-        chunked_evict = bool(states) and len(chunks) > 1 and cfg.prefill_eviction == "chunks"
+        chunked_evict = bool(states) and len(chunks) > 1 and cfg.resolved_prefill_eviction() == "chunks"
         pos = [empty.copy() for _ in range(S)]
         start = 0
         for ci, q in enumerate(chunks):

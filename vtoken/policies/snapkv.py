@@ -77,8 +77,10 @@ class SnapKVPolicy(EvictionPolicy):
 
     * Average pooling only (the paper offers max and average; its code defaults to average).
     * The decode rule above (the paper keeps every generated token uncompressed).
-    * Prefill is not compressed chunk by chunk yet (``prefill_eviction``: the whole prompt is
-      held until the first decode step evicts), so the window is the prompt's last queries.
+    * With ``prefill_eviction: chunks`` (the default under ``decide_on: worker``) the prompt is
+      cut between prefill chunks, each chunk's last ``window`` queries scoring it (the paper
+      compresses the whole prompt once, from its last queries); with ``after`` the window is the
+      prompt's last queries, as in the paper.
     * With ``granularity`` other than ``head`` a set scores the mean over its heads.
     * Ties go to the smaller logical position (evicted first).
     """

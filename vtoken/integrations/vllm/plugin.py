@@ -109,12 +109,13 @@ def _wrap_create_engine_config() -> None:
         setup_prometheus_bridge()
         logger.info(
             "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s "
-            "model_runner=%s scheduling=%s decide_on=%s granularity=%s",
+            "model_runner=%s scheduling=%s decide_on=%s granularity=%s prefill_eviction=%s",
             cfg.mode, cfg.policy, cfg.budget,
             f" (ratio {cfg.budget_ratio})" if cfg.budget_ratio else "",
             cfg.resolved_slack(), cfg.protections(), vcfg.cache_config.block_size,
             "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync", cfg.decide_on,
             cfg.resolved_granularity() + ("" if cfg.granularity else " (the policy's default)"),
+            cfg.resolved_prefill_eviction() + ("" if cfg.prefill_eviction else " (decide_on's default)"),
         )
         return vcfg
 

@@ -49,7 +49,7 @@ def engine_bound(vllm_config: Any) -> Optional[int]:
     if not raw:
         return None
     cfg = VTokenConfig.model_validate(raw)
-    if cfg.prefill_eviction != "chunks" or cfg.budget_ratio is not None:
+    if cfg.resolved_prefill_eviction() != "chunks" or cfg.budget_ratio is not None:
         return None
     return request_bound(cfg, 0, vllm_config.scheduler_config.max_num_batched_tokens)
 

@@ -113,7 +113,7 @@ class VTokenSchedulerMixin:
         #: (counts, CountTable); the worker picks which (docs/device-decisions.md)
         self._vt_worker: bool = self.vt_cfg.decide_on == "worker"
         #: prefill_eviction: chunks (decide_on: worker): requests evict between prefill chunks too
-        self._vt_chunks: bool = self.vt_cfg.prefill_eviction == "chunks"
+        self._vt_chunks: bool = self.vt_cfg.resolved_prefill_eviction() == "chunks"
         self._vt_is_async: bool = isinstance(self, AsyncScheduler)
         self._vt_gauges_at = float("-inf")
         #: requests the stock schedule() preempted in this step (decide_on: worker drops their evictions)
@@ -167,7 +167,7 @@ class VTokenSchedulerMixin:
             self.vt_stats.request_faults += 1
             cfg = None
         self._vt_req_cfg[request.request_id] = cfg
-        if cfg is not None and cfg.prefill_eviction == "chunks" and self._vt_may_evict(cfg, request):
+        if cfg is not None and cfg.resolved_prefill_eviction() == "chunks" and self._vt_may_evict(cfg, request):
             self._vt_accounting.admission_cap[request.request_id] = request_bound(
                 cfg, request.num_prompt_tokens, self.scheduler_config.max_num_batched_tokens)
         super().add_request(request)
@@ -226,7 +226,7 @@ class VTokenSchedulerMixin:
         else:
             st = RequestState(**args, table=TokenTable(self._vt_bs))
         st.may_evict = self._vt_may_evict(cfg, request)
-        st.chunk_evict = cfg.prefill_eviction == "chunks"  # (decide_on: worker: VTokenConfig)
+        st.chunk_evict = cfg.resolved_prefill_eviction() == "chunks"  # (decide_on: worker: VTokenConfig)
         st.score_need = pol.needs.value
         st.score_every = cfg.score_every
         st.recent = pol.recent_tokens
