@@ -600,7 +600,8 @@ def plot_prefill(res: dict, path: Path) -> None:
     axes[0].set_ylim(0, 1.3 * max(s["delta_nll"] for s in summ))
     axes[1].set_ylim(0, 1.05)
     axes[0].legend(title="prompt cut to the budget", fontsize=8)
-    fig.suptitle(f"prefill eviction: {c['n_conv']} conversations, prompt {c['prompt_len']}, next {c['K']} real "
+    n = max(s["n"] for s in summ)  # (an interrupted run's result: the conversations it finished)
+    fig.suptitle(f"prefill eviction: {n} conversations, prompt {c['prompt_len']}, next {c['K']} real "
                  "tokens teacher-forced (fp32 oracle, decide_on worker, each policy's default token sets)",
                  fontsize=10)
     fig.tight_layout()

@@ -820,3 +820,29 @@ def test_benchmarks_readme_granularity_quality_figures():
     req, head = by[("h2o", 128, "fixed", "request")], by[("h2o", 128, "fixed", "head")]
     assert f"({req['delta_nll']:+.3f} -> {head['delta_nll']:+.3f} nats)" in text
     assert f"holding every block it ever held ({head['naive_blocks']:.0f}), against vToken's {head['vtoken_blocks']:.0f}" in text
+
+
+def test_results_quality_prefill_figures_match_result():
+    """``bench_quality.py --prefill``: the table is generated from the result, the section names how
+    many conversations it covers (and says so when the result is a running job's partial file),
+    and its claims hold: no chunks arm's ΔNLL more than 0.01 above its after arm's, agreement
+    within 0.02, peak held tokens the whole prompt against budget + chunk."""
+    doc_tables = _doc_tables()
+    d = _load("quality_prefill.json")
+    assert _generated(_bench(), "benchmarks/doc_tables.py quality_prefill_table") == doc_tables.quality_prefill_table()
+    sec = _section(_bench(), "**Quality of eviction between prefill chunks**", flat=True)
+    part = d["meta"].get("partial")
+    summ = [s for s in d["oracle"]["summary"] if s["policy"] != "full"]
+    n = max(s["n"] for s in summ)
+    if part:
+        assert n == part["done_convs"] and f"the first {n} of the planned {part['n_conv']} conversations" in sec
+    else:
+        assert n == d["oracle"]["config"]["n_conv"] == 40 and f"; {n} conversations" in sec
+    c = d["oracle"]["config"]
+    by = {(s["policy"], s["budget"], s["prefill_eviction"]): s for s in summ}
+    for pol in c["policies"]:
+        for b in c["budgets"]:
+            a, ch = by[(pol, b, "after")], by[(pol, b, "chunks")]
+            assert ch["delta_nll"] <= a["delta_nll"] + 0.01 and abs(ch["agree_full"] - a["agree_full"]) <= 0.02, (pol, b)
+            assert a["mean_peak_live"] == c["prompt_len"]
+            assert ch["mean_peak_live"] == b + c["prefill_chunk"]
