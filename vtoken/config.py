@@ -160,8 +160,8 @@ class VTokenConfig(BaseModel):
         "until then; chunks: between prefill chunks too (vLLM's chunked prefill, --max-num-batched-tokens sets the "
         "chunk), so a request never holds more than about budget + chunk tokens, and a prompt longer than the KV "
         "cache is served. Under pacing pressure a request evicts between chunks only when the pool is short, as in "
-        "decode. chunks needs decide_on worker. null: chunks under decide_on worker (the same quality as after, "
-        "measured), after under decide_on scheduler (docs/device-decisions.md, \"Eviction between prefill chunks\")",
+        "decode. chunks needs decide_on worker. null: chunks under decide_on worker (measured: within 0.03 "
+        "nats/token of after), after under decide_on scheduler (docs/device-decisions.md, \"Eviction between prefill chunks\")",
     )
     protect_cached_prefix: bool = Field(
         False,
@@ -291,7 +291,7 @@ class VTokenConfig(BaseModel):
 
     def resolved_prefill_eviction(self) -> str:
         """The prefill eviction in effect: ``prefill_eviction`` when set; else ``"chunks"`` under
-        ``decide_on: worker`` (bounded prefill at the same quality as ``after``,
+        ``decide_on: worker`` (bounded prefill, ΔNLL within 0.03 nats/token of ``after``:
         ``benchmarks/results/quality_prefill.json``) and ``"after"`` under ``decide_on: scheduler``
         (which cannot evict between chunks)."""
         if self.prefill_eviction is not None:
