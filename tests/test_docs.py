@@ -830,6 +830,7 @@ def test_results_quality_prefill_figures_match_result():
     nats/token the config's description states, peak held tokens the whole prompt against budget + chunk."""
     doc_tables = _doc_tables()
     d = _load("quality_prefill.json")
+    assert d["meta"]["command"] == "python benchmarks/bench_quality.py --prefill"
     assert _generated(_bench(), "benchmarks/doc_tables.py quality_prefill_table") == doc_tables.quality_prefill_table()
     sec = _section(_bench(), "**Quality of eviction between prefill chunks**", flat=True)
     part = d["meta"].get("partial")
