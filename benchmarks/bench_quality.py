@@ -610,26 +610,26 @@ def plot_prefill(res: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def plot_result(res: dict, path: Path) -> None:
+    """The plot of a result, by its plan: granularity, prefill, scale (oracle only) or the
+    small/full two-part figure."""
+    c = res["oracle"]["config"]
+    if "granularities" in c:
+        plot_granularity(res, path)
+    elif "prefill" in c:
+        plot_prefill(res, path)
+    else:
+        (plot if "engine" in res else plot_scale)(res, path)
+
+
 def main(argv=None) -> int:
     args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity", "prefill"),
                                      from_partial=True)
     if args.from_partial:
-        res = from_partial(args.from_partial, out_path)
-        if "granularities" in res["oracle"]["config"]:
-            plot_granularity(res, out_path.with_suffix(".png"))
-        elif "prefill" in res["oracle"]["config"]:
-            plot_prefill(res, out_path.with_suffix(".png"))
-        else:
-            plot_scale(res, out_path.with_suffix(".png"))
+        plot_result(from_partial(args.from_partial, out_path), out_path.with_suffix(".png"))
         return 0
     if args.replot:
-        res = json.loads(args.replot.read_text())
-        if "granularities" in res["oracle"]["config"]:
-            plot_granularity(res, args.replot.with_suffix(".png"))
-        elif "prefill" in res["oracle"]["config"]:
-            plot_prefill(res, args.replot.with_suffix(".png"))
-        else:
-            (plot_scale if "engine" not in res else plot)(res, args.replot.with_suffix(".png"))
+        plot_result(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
         return 0
     from tqdm import tqdm
 
@@ -653,12 +653,7 @@ def main(argv=None) -> int:
         res["engine"] = eng
     write_json(out_path, res)
     out_path.with_suffix(".partial.json").unlink(missing_ok=True)
-    if "granularities" in o:
-        plot_granularity(res, out_path.with_suffix(".png"))
-    elif "prefill" in o:
-        plot_prefill(res, out_path.with_suffix(".png"))
-    else:
-        (plot if eng is not None else plot_scale)(res, out_path.with_suffix(".png"))
+    plot_result(res, out_path.with_suffix(".png"))
     print(f"{'policy':13} {'budget':>6} {'pacing':>8} {'gran':>8} {'prefill':>7} {'NLL':>6} {'dNLL':>6} {'agree':>6} {'top1':>6} | {'greedy prefix':>13} {'positional':>10}")
     for s in orc["summary"]:
         e = next((x for x in (eng or {}).get("summary", []) if x["policy"] == s["policy"] and x["budget"] == s["budget"]), None)

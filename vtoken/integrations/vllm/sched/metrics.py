@@ -29,10 +29,10 @@ name                                kind     meaning
 ``vtoken:request_peak_blocks``      histo.   per finished request: the most KV blocks it held after a ``schedule()``
 ==================================  =======  =================================================
 
-Gauges are the state after the last ``schedule()``; the histogram is observed once per finished
-(or aborted) request (and after the engine goes idle: the
+Gauges are the state after the last ``schedule()`` (and after the engine goes idle: the
 scheduler publishes once more when its last request finishes or is aborted); counters are mirrored from the scheduler's monotonic
-:class:`~vtoken.integrations.vllm.sched.scheduler.VTokenStats`.
+:class:`~vtoken.integrations.vllm.sched.scheduler.VTokenStats`; the histogram is observed once per
+finished (or aborted) request, from its lifetime figures.
 
 The bridge between processes
 ----------------------------
