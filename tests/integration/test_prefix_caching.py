@@ -3,9 +3,10 @@
 The rule under test: a block that is hashed or shared is never written. Until its first eviction
 a request caches its blocks as stock vLLM does; at its first eviction it copies the cached blocks
 it may write into private ones (the cached ones keep their hash and contents) and caches nothing
-more. A policy that needs the statistics of the prompt (H2O, Scissorhands) keeps its hit
-(protected); one that does not (TOVA, StreamingLLM) evicts inside it, and its tokens equal the
-dense oracle's for the prompt alone.
+more. A policy that needs the statistics of the prompt (H2O) keeps its hit (protected); one that
+does not (TOVA, Scissorhands, StreamingLLM) evicts inside it, and its tokens equal the dense
+oracle's for the prompt alone. With ``prefix_hits: skip`` a request that would keep its hit
+computes its prompt instead.
 
 Engines (each one process, ``tests/integration/_prefix_driver.py``, ``VTOKEN_CHECK=1``:
 ref_cnt == holders for every held block, shared blocks counted once in the pool, nothing past a
@@ -169,9 +170,10 @@ def _check_sharers(out, protected: bool):
     # C0..C3 hit the same four prefix blocks and decode together: ref_cnt 4 while they evict
     assert out["max_ref_cnt"] >= 4 and out["shared_steps"] > 0
     assert all(out["num_cached_tokens"][f"C{i}"] == 128 for i in range(4))
-    # H2O (C0) and Scissorhands (C2) keep their hit; TOVA (C1) and StreamingLLM (C3) copy it
+    # H2O (C0) keeps its hit; TOVA (C1), Scissorhands (C2: its prompt adds only the last query's row)
+    # and StreamingLLM (C3) copy it
     assert [out["finished"][f"C{i}"]["protected"] >= 128 for i in range(4)] == (
-        [True] * 4 if protected else [True, False, True, False])
+        [True] * 4 if protected else [True, False, False, False])
     assert all(out["finished"][f"C{i}"]["evicted"] > 0 for i in range(4))
     assert out["stats"]["request_faults"] == 0 and out["stats"]["freed_blocks"] > 0
     # blocks go back through BlockPool.free_blocks: the pool returns to its start after each
@@ -261,6 +263,29 @@ def test_worker_decisions_share_cached_blocks_read_only(tiny, path):
     _, evicted = _oracle_tokens(tiny, out["prompts"]["W"], None, WORKER_VT, 0)
     assert min(int(e.min()) for e in evicted if len(e)) < 128
     assert out["free_after_phase"] == [out["free_start"]]
+
+
+# prefix_hits: skip: a request that would keep (protect) its hit does not read the prefix cache:
+# H2O under decide_on scheduler (A, B, A again, A's second turn compute their prompts; the TOVA
+# requests still hit the blocks the H2O requests cached), every policy under decide_on worker
+# (W's sharers compute the prefix too). Every request's tokens equal the oracle's for it alone.
+SKIP_CASES = {"scheduler": (dict(VT_DEFAULT, prefix_hits="skip"), SEQUENCE,
+                            dict(SEQ_HITS, B=0, A2=0, **{"A-turn2": 0}), 4),
+              "worker": (dict(WORKER_VT, prefix_hits="skip"), WORKER_PHASES,
+                         {"W": 0, "S0": 0, "S1": 0, "S2": 0, "S3": 0}, 5)}
+
+
+@pytest.mark.parametrize("decide_on", ["scheduler", "worker"])
+def test_prefix_hits_skip_makes_tokens_cache_independent(tiny, decide_on):
+    vt, phases, hits, skipped = SKIP_CASES[decide_on]
+    out = _run(tiny, vt, phases, "v1-sync", digests=False)
+    assert out["num_cached_tokens"] == hits
+    assert {rid: f["protected"] for rid, f in out["finished"].items()} == dict.fromkeys(hits, 0)
+    assert all(f["evicted"] > 0 for f in out["finished"].values())
+    # A (scheduler) and W (worker) have no hit to skip but are counted: they did not read the cache
+    assert out["stats"]["prefix_reads_skipped"] == skipped and out["stats"]["request_faults"] == 0
+    assert out["free_after_phase"] == [out["free_start"]] * len(phases)
+    _check_against_oracle(tiny, out, phases, vt)
 
 
 # A pool too small for every first eviction's copies: W caches the 128-token prefix; then four

@@ -112,6 +112,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:unshare_deferred": ("unshare_deferred",
                                 "Prefix caching: first evictions deferred because the free blocks could not cover "
                                 "the copies of the cached blocks (the request keeps its tokens until its next eviction)."),
+    "vtoken:prefix_reads_skipped": ("prefix_reads_skipped",
+                                    "Prefix caching with prefix_hits skip: requests that did not read the prefix "
+                                    "cache (their policy cannot take a hit exactly; they computed their prompt)."),
     "vtoken:request_faults": ("request_faults",
                               "Requests whose eviction was turned off by a fault confined to them (see the log)."),
 }
@@ -143,6 +146,7 @@ UNITS: dict[str, str] = {
     "vtoken:prefill_evictions": "events",
     "vtoken:unshared_blocks": "blocks",
     "vtoken:unshare_deferred": "events",
+    "vtoken:prefix_reads_skipped": "requests",
     "vtoken:tokens_above_budget": "tokens",
     "vtoken:pressure_events": "steps",
     "vtoken:pressure_evictions": "events",

@@ -64,6 +64,7 @@ from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.sched.state import RequestState, VTokenStats, cdiv
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
 from vtoken.repack import NaiveEvictCounter
+from vtoken.policies import get_policy_class
 from vtoken.pacing import Candidate, plan_pressure_evictions
 from vtoken.protocol import evictable
 from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_stats
@@ -167,6 +168,14 @@ class VTokenSchedulerMixin:
             self.vt_stats.request_faults += 1
             cfg = None
         self._vt_req_cfg[request.request_id] = cfg
+        if (cfg is not None and self._vt_caching and cfg.prefix_hits == "skip" and not request.skip_reading_prefix_cache
+                and (self._vt_worker or get_policy_class(cfg.policy).prompt_statistics)
+                and self._vt_may_evict(cfg, request)):
+            # A hit would be kept (protected, _vt_state), so the request's tokens would depend on
+            # what the cache holds; with prefix_hits: skip it computes its prompt instead. vLLM
+            # still hashes and caches its blocks for others (only the lookup is skipped).
+            request.skip_reading_prefix_cache = True
+            self.vt_stats.prefix_reads_skipped += 1
         if cfg is not None and cfg.resolved_prefill_eviction() == "chunks" and self._vt_may_evict(cfg, request):
             self._vt_accounting.admission_cap[request.request_id] = request_bound(
                 cfg, request.num_prompt_tokens, self.scheduler_config.max_num_batched_tokens)

@@ -177,6 +177,8 @@ class VTokenStats:
     unshared_blocks: int = 0
     #: prefix caching: first evictions deferred because the free blocks could not cover the copies
     unshare_deferred: int = 0
+    #: prefix caching, prefix_hits skip: requests that did not read the prefix cache
+    prefix_reads_skipped: int = 0
     #: repack moves left off a step's payload because the stock schedule() preempted their
     #: request after they were planned (its blocks were already back in the pool)
     moves_dropped_preempted: int = 0
