@@ -267,8 +267,8 @@ def test_worker_decisions_share_cached_blocks_read_only(tiny, path):
 
 # prefix_hits: skip: a request that would keep (protect) its hit does not read the prefix cache:
 # H2O under decide_on scheduler (A, B, A again, A's second turn compute their prompts; the TOVA
-# requests still hit the blocks the H2O requests cached), every policy under decide_on worker
-# (W's sharers compute the prefix too). Every request's tokens equal the oracle's for it alone.
+# requests still hit the blocks the H2O requests cached), and under decide_on worker (W's H2O
+# sharers compute the prefix too). Every request's tokens equal the oracle's for it alone.
 SKIP_CASES = {"scheduler": (dict(VT_DEFAULT, prefix_hits="skip"), SEQUENCE,
                             dict(SEQ_HITS, B=0, A2=0, **{"A-turn2": 0}), 4),
               "worker": (dict(WORKER_VT, prefix_hits="skip"), WORKER_PHASES,
@@ -286,6 +286,57 @@ def test_prefix_hits_skip_makes_tokens_cache_independent(tiny, decide_on):
     assert out["stats"]["prefix_reads_skipped"] == skipped and out["stats"]["request_faults"] == 0
     assert out["free_after_phase"] == [out["free_start"]] * len(phases)
     _check_against_oracle(tiny, out, phases, vt)
+
+
+# decide_on: worker, policies that need no statistics of the hit's tokens: a sharer copies its hit
+# into private blocks in the step that starts it (the cached blocks keep their hash for others),
+# its policy state covers the hit as its own tokens, and it evicts inside the hit: its tokens equal
+# the oracle's for it alone. W (H2O) computes and caches the prefix; five sharers of five policies
+# (budget 100, below the 128-token hit) arrive after its prefill.
+COPY_POLICIES = ("tova", "scissorhands", "streaming", "random", "keydiff")
+COPY_PHASES = [[_req("W", PREFIX + _suffix(20, 40))] + [
+    dict(_req(f"K{i}", PREFIX + _suffix(40 + i, 60 + 10 * i), {"vtoken_policy": pol, "vtoken_budget": 100}),
+         arrive_after=2) for i, pol in enumerate(COPY_POLICIES)]]
+
+
+@pytest.mark.parametrize("path", ["v1-sync", "mrv2-async"])
+def test_worker_decisions_copy_the_hit_of_policies_without_prompt_statistics(tiny, path):
+    out = _run(tiny, WORKER_VT, COPY_PHASES, path, digests=path == "v1-sync")
+    assert out["paths"] == EXPECTED[path]
+    fin = out["finished"]
+    sharers = [f"K{i}" for i in range(len(COPY_POLICIES))]
+    assert all(out["num_cached_tokens"][r] == 128 and fin[r]["protected"] == 0 for r in sharers)
+    assert all(fin[r]["evicted"] > 0 for r in ["W"] + sharers)
+    st = out["stats"]
+    # each sharer copied its 4 hit blocks when it started (W's first eviction copies more)
+    assert st["unshared_blocks"] >= 4 * len(sharers) and st["unshare_deferred"] == 0 and st["request_faults"] == 0
+    assert (out["digest_checks"] > 0) == (path == "v1-sync")
+    assert out["free_after_phase"] == [out["free_start"]]
+    _check_against_oracle(tiny, out, COPY_PHASES, WORKER_VT)
+    # the case binds: alone, every sharer evicts inside the 128-token prefix it hit
+    for r in COPY_PHASES[0][1:]:
+        _, evicted = _oracle_tokens(tiny, r["prompt_token_ids"], r["extra_args"], WORKER_VT, 0)
+        assert min(int(e.min()) for e in evicted if len(e)) < 128, r["id"]
+
+
+# The copies of a hit need free blocks in the step that starts the request. W caches the prefix
+# and finishes; Q0 and Q1 (TOVA, budget 64) start in one step, sharing the 4 hit blocks, with 4
+# blocks left free: Q0 copies its hit, Q1 cannot and keeps its hit (protected, as H2O does).
+ADMIT_VT = dict(VT, decide_on="worker")
+ADMIT_PHASES = [[_req("W", PREFIX + _suffix(20, 8), {"vtoken_budget": 256}, max_tokens=2)],
+                [_req(f"Q{i}", PREFIX + _suffix(50 + i, 30), {"vtoken_policy": "tova", "vtoken_budget": 64},
+                      max_tokens=8) for i in range(2)]]
+
+
+def test_worker_hit_copies_short_of_blocks_keep_the_hit(tiny):
+    out = _run(tiny, ADMIT_VT, ADMIT_PHASES, "v1-sync", digests=True, num_blocks=11, max_model_len=256)
+    fin = out["finished"]
+    assert [out["num_cached_tokens"][f"Q{i}"] for i in range(2)] == [128, 128]
+    assert [fin[f"Q{i}"]["protected"] for i in range(2)] == [0, 128]
+    st = out["stats"]
+    assert st["unshare_deferred"] == 1 and st["request_faults"] == 0 and st["unshared_blocks"] >= 4
+    assert out["digest_checks"] > 0 and out["free_after_phase"] == [out["free_start"]] * 2
+    _check_against_oracle(tiny, out, ADMIT_PHASES, ADMIT_VT)
 
 
 # A pool too small for every first eviction's copies: W caches the 128-token prefix; then four

@@ -30,6 +30,10 @@ class WorkerSpec(NamedTuple):
             blocks (computed by an earlier request); the worker appends them with the step's.
         granularity: its token sets (``request``, ``layer``, ``head``, ``head_shared``;
             ``docs/granularity.md``), resolved from the config.
+        shared_tokens: the first cached tokens whose blocks it shares with other requests (their
+            policy state is read-only for it, ``DeviceDecider.share_prefix``); None: all of them.
+            The rest of the hit was copied into its private blocks in this step
+            (``StepPayload.unshare``), so the worker writes their state as for its own tokens.
     """
 
     policy: Any
@@ -38,6 +42,7 @@ class WorkerSpec(NamedTuple):
     protected_prefix: int
     cached_tokens: int = 0
     granularity: str = "request"
+    shared_tokens: Optional[int] = None
 
 #: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot
 #: (``decide_on: worker`` with several token sets: ``[S, num_live]``, each set in its own slot order).

@@ -127,6 +127,8 @@ class VTokenSchedulerMixin:
         self._vt_offset_updates: dict[str, int] = {}
         #: decide_on: worker: states made in this schedule() (announced to the worker on the payload)
         self._vt_new_states: dict[str, RequestState] = {}
+        #: decide_on: worker: hit copies made in this step (_vt_copy_hit), rid -> unshare entries
+        self._vt_hit_copies: dict[str, list[tuple[int, int, int]]] = {}
         #: decide_on: worker: the states' per-request integers (sched/counts.py) and each state's row
         self._vt_cols = CountColumns()
         self._vt_rows: dict[str, int] = {}
@@ -169,7 +171,7 @@ class VTokenSchedulerMixin:
             cfg = None
         self._vt_req_cfg[request.request_id] = cfg
         if (cfg is not None and self._vt_caching and cfg.prefix_hits == "skip" and not request.skip_reading_prefix_cache
-                and (self._vt_worker or get_policy_class(cfg.policy).prompt_statistics)
+                and get_policy_class(cfg.policy).prompt_statistics
                 and self._vt_may_evict(cfg, request)):
             # A hit would be kept (protected, _vt_state), so the request's tokens would depend on
             # what the cache holds; with prefix_hits: skip it computes its prompt instead. vLLM
@@ -245,9 +247,10 @@ class VTokenSchedulerMixin:
         # cached blocks it may write (_vt_ready_to_evict). A policy whose state needs the
         # statistics of the prompt's tokens (prompt_statistics: H2O's column sums ...) never got
         # the hit's, so the hit is kept (protected): its blocks stay shared, never copied. Under
-        # decide_on: worker every policy keeps its hit: the worker's side cache is indexed by KV
-        # slot, so the hit's policy state belongs to the request that computed those blocks
-        # (worker/decisions.py, "Prefix caching").
+        # decide_on: worker the side cache is indexed by KV slot, so a shared block's policy state
+        # belongs to the request that computed it (worker/decisions.py, "Prefix caching"); any
+        # other policy's hit is copied into private blocks now (_vt_copy_hit), and kept as under
+        # prompt_statistics only when the free blocks cannot cover the copies.
         hit = max(0, request.num_computed_tokens - scheduled)
         if hit:
             st.cached_tokens = hit
@@ -256,8 +259,13 @@ class VTokenSchedulerMixin:
             st.pstate.reset_slots(0, hit)
         if self._vt_caching and st.may_evict:
             bs = self._vt_bs
-            st.protected = max(self._vt_prompt_protected(cfg, request),
-                               hit // bs * bs if pol.prompt_statistics or self._vt_worker else 0)
+            own = self._vt_prompt_protected(cfg, request)
+            keep_hit = pol.prompt_statistics
+            if self._vt_worker and not keep_hit and hit > own:
+                keep_hit = not self._vt_copy_hit(rid, own // bs, hit // bs)
+                if not keep_hit:
+                    st.shared_tokens = own // bs * bs
+            st.protected = max(own, hit // bs * bs if keep_hit else 0)
         st.floor = max(pol.sink_tokens, st.protected)
         self._vt_states[rid] = st
         self._vt_accounting.track(rid, st)
@@ -454,6 +462,8 @@ class VTokenSchedulerMixin:
         if self._vt_preempted_now:
             self._vt_collect_counts(payload)
         self._vt_after_scheduled_counts(out.num_scheduled_tokens, payload)
+        if self._vt_hit_copies:
+            self._vt_apply_hit_copies(out, payload)
         self._vt_finish_payload(payload)
         out.vtoken = None if payload.is_empty() else payload
         now = time.monotonic()
@@ -741,7 +751,7 @@ class VTokenSchedulerMixin:
             self._vt_offset_updates = {}
         if self._vt_new_states:
             payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
-                                              st.cached_tokens, st.cfg.resolved_granularity())
+                                              st.cached_tokens, st.cfg.resolved_granularity(), st.shared_tokens)
                               for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
             self._vt_new_states = {}
 
@@ -772,14 +782,11 @@ class VTokenSchedulerMixin:
         ``ref_cnt`` 0 it waits in the free queue as an evictable cached block, as a finished
         request's blocks do. Blocks past what it keeps go back to the pool with the tail, and
         from now on vLLM hashes only its blocks below ``floor`` (``BlockAccounting.cache_cap``),
-        which nothing writes. A hit is therefore never protected: tokens do not depend on the
-        cache.
+        which nothing writes. So a hit needs no protection where the policy needs no statistics of
+        the hit's tokens: tokens do not depend on the cache.
 
-        The copies need fresh blocks in this step, and never a tail block that went back to the
-        pool earlier in this step: this step's moves may still read that one after the copies
-        wrote it (vLLM reuses a freed unhashed block first, ``BlockPool.free_blocks``). Those are
-        set aside from the free queue while the copies' blocks are taken, and put back. When the
-        other free blocks do not cover the copies, the eviction is deferred
+        The copies need fresh blocks in this step (:meth:`_vt_copy_blocks`). When the free
+        blocks do not cover the copies, the eviction is deferred
         (``vtoken:unshare_deferred_total``): the request keeps its tokens for now and tries
         again at its next eviction; under pool pressure vLLM may preempt it or another request
         instead, as it would without vToken.
@@ -796,38 +803,102 @@ class VTokenSchedulerMixin:
         keep = len(blocks) if st.cfg.mode == "naive" else min(len(blocks), cdiv(live_after + 1, bs))
         idx = [i for i in range(lo, keep) if blocks[i].block_hash is not None or blocks[i].ref_cnt > 1]
         if idx:
-            pool = self.kv_cache_manager.block_pool
-            queue = pool.free_block_queue
-            # (in the free queue: ref_cnt 0; once each, though a block shared by two requests that
-            # both released it is listed twice)
-            aside = list({b.block_id: b for b in self._vt_released_now if b.ref_cnt == 0}.values())
-            removed = []
-            try:
-                for b in aside:
-                    queue.remove(b)
-                    removed.append(b)
-                if len(idx) > pool.get_num_free_blocks():
-                    self.vt_stats.unshare_deferred += 1
-                    return False
-                new = pool.get_new_blocks(len(idx))
-            finally:  # back where vLLM put them: unhashed first in line, hashed last
-                queue.prepend_n([b for b in removed if b.block_hash is None])
-                queue.append_n([b for b in removed if b.block_hash is not None])
-            old = [blocks[i] for i in idx]
-            for i, b in zip(idx, new):
-                blocks[i] = b
-            pool.free_blocks(old)
-            # a later copy in this step never lands on one of these either: the copies run as one
-            # batch, which a GPU kernel does not order between a block one copy reads and another writes
-            self._vt_released_now.extend(old)
-            payload.unshare[rid] = [(i, o.block_id, b.block_id) for i, o, b in zip(idx, old, new)]
+            entries = self._vt_copy_blocks(rid, blocks, idx)
+            if entries is None:
+                self.vt_stats.unshare_deferred += 1
+                return False
+            payload.unshare[rid] = entries
             payload.kept_blocks[rid] = [b.block_id for b in blocks]
-            self.vt_stats.unshared_blocks += len(idx)
             if self._vt_check:
-                for i, b in zip(idx, new):
-                    self._vt_move_owners[b.block_id] = (rid, i, st.protected, st.clean_len)
+                for i, _, new in entries:
+                    self._vt_move_owners[new] = (rid, i, st.protected, st.clean_len)
         self._vt_accounting.cache_cap[rid] = lo * bs
         return True
+
+    def _vt_copy_blocks(self, rid: str, blocks: list, idx: list[int]) -> Optional[list[tuple[int, int, int]]]:
+        """Replace ``blocks[i]`` (``i`` in ``idx``: cached or shared blocks of ``rid``) by fresh
+        private blocks; the old ones lose this holder and keep their hash. Returns the copies
+        ``(index, old block id, new block id)`` for ``StepPayload.unshare``, or None (nothing
+        changed) when the free blocks cannot cover them.
+
+        The copies never take a tail block that went back to the pool earlier in this step: this
+        step's moves may still read that one after the copies wrote it (vLLM reuses a freed
+        unhashed block first, ``BlockPool.free_blocks``). Those are set aside from the free queue
+        while the copies' blocks are taken, and put back.
+        """
+        pool = self.kv_cache_manager.block_pool
+        queue = pool.free_block_queue
+        # (in the free queue: ref_cnt 0; once each, though a block shared by two requests that
+        # both released it is listed twice)
+        aside = list({b.block_id: b for b in self._vt_released_now if b.ref_cnt == 0}.values())
+        removed = []
+        try:
+            for b in aside:
+                queue.remove(b)
+                removed.append(b)
+            if len(idx) > pool.get_num_free_blocks():
+                return None
+            new = pool.get_new_blocks(len(idx))
+        finally:  # back where vLLM put them: unhashed first in line, hashed last
+            queue.prepend_n([b for b in removed if b.block_hash is None])
+            queue.append_n([b for b in removed if b.block_hash is not None])
+        old = [blocks[i] for i in idx]
+        for i, b in zip(idx, new):
+            blocks[i] = b
+        pool.free_blocks(old)
+        # a later copy in this step never lands on one of these either: the copies run as one
+        # batch, which a GPU kernel does not order between a block one copy reads and another writes
+        self._vt_released_now.extend(old)
+        self.vt_stats.unshared_blocks += len(idx)
+        return [(i, o.block_id, b.block_id) for i, o, b in zip(idx, old, new)]
+
+    def _vt_copy_hit(self, rid: str, lo: int, hi: int) -> bool:
+        """``decide_on: worker``, a request starting with a prefix-cache hit, for a policy that
+        needs no statistics of the hit's tokens: copy its hit blocks ``lo..hi-1`` into private
+        blocks in this step (``_vt_copy_blocks``), so the worker writes their policy state as
+        for the request's own tokens and the request may evict inside its hit
+        (worker/decisions.py, "Prefix caching"). The copies reach the worker as
+        ``StepPayload.unshare`` (K/V copied before the forward) and as the block ids of the
+        step's ``SchedulerOutput`` (:meth:`_vt_apply_hit_copies`). Returns False, changing
+        nothing, when the free blocks cannot cover the copies (counted in
+        ``vtoken:unshare_deferred_total``; the hit is then kept, as for H2O).
+        """
+        blocks = self._vt_mgr.req_to_blocks.get(rid, [])
+        idx = [i for i in range(lo, min(hi, len(blocks))) if blocks[i].block_hash is not None or blocks[i].ref_cnt > 1]
+        if not idx:
+            return True
+        entries = self._vt_copy_blocks(rid, blocks, idx)
+        if entries is None:
+            self.vt_stats.unshare_deferred += 1
+            return False
+        self._vt_hit_copies[rid] = entries
+        return True
+
+    def _vt_apply_hit_copies(self, out, payload: StepPayload) -> None:
+        """The hit copies made in this step (:meth:`_vt_copy_hit`): on the payload, and in the
+        block ids the step's ``SchedulerOutput`` carries for those requests (a new request's
+        ``block_ids``, a resumed one's ``new_block_ids``), which the stock ``schedule()`` built
+        before the copies."""
+        copies, self._vt_hit_copies = self._vt_hit_copies, {}
+        found = set()
+        for nrd in out.scheduled_new_reqs:
+            entries = copies.get(nrd.req_id)
+            if entries is not None:
+                for i, _, new in entries:
+                    nrd.block_ids[0][i] = new
+                found.add(nrd.req_id)
+        cached = out.scheduled_cached_reqs
+        for j, rid in enumerate(cached.req_ids):
+            entries = copies.get(rid)
+            if entries is not None and rid in cached.resumed_req_ids and cached.new_block_ids[j] is not None:
+                for i, _, new in entries:
+                    cached.new_block_ids[j][0][i] = new
+                found.add(rid)
+        if found != copies.keys():  # (a request starts in a new or a resumed entry; never here)
+            raise RuntimeError(f"vToken: hit copies of {sorted(copies.keys() - found)} have no block ids in the "
+                               "step's SchedulerOutput")
+        for rid, entries in copies.items():
+            payload.unshare[rid] = entries
 
     def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload) -> None:
         """``decide_on: worker``: evict ``k`` tokens of ``rid`` in counts; the worker picks which.

@@ -79,6 +79,10 @@ class RequestState:
     protected: int = 0
     #: prefix-cache hit when this state was made (tokens whose KV came from cached blocks).
     cached_tokens: int = 0
+    #: ``decide_on: worker``: the hit's first tokens whose blocks the request still shares (their
+    #: policy state on the worker is read-only for it); None: the whole hit. The rest of the hit
+    #: was copied into private blocks when the state was made (``VTokenScheduler._vt_copy_hit``).
+    shared_tokens: Optional[int] = None
     #: tokens at the start whose KV was computed over the full context and still sits at its
     #: own slot (None: nothing evicted yet, so all). Only these may be cached for later
     #: requests: a token computed after an eviction attended over a cut context.

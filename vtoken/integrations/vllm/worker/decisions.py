@@ -29,6 +29,12 @@ holder writes) but never their policy state, and the scheduler protects the hit 
 (``protected_prefix``), so that state is never read for it either. The request that computed the
 blocks owns their state and keeps writing it until its first eviction copies them into private
 blocks (``copy_slots``). Tokens then equal the dense oracle with ``protected_prefix`` = the hit.
+That is the rule for a policy that needs statistics of the prompt tokens the hit skips
+(``EvictionPolicy.prompt_statistics``: H2O, SnapKV, K-norm). Any other policy's hit is copied
+into private blocks in the step that starts the request (``WorkerSpec.shared_tokens`` = 0;
+the copies are ``StepPayload.unshare`` and the new block ids are already in the step's
+``SchedulerOutput``): the appended hit slots get fresh state as the request's own tokens, the
+forward's statistics cover them, and its tokens equal the dense oracle's for it alone.
 """
 
 from __future__ import annotations
@@ -180,8 +186,9 @@ class WorkerDecisions:
                             100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
             row = g.add()
             self.where[rid] = (g, row, spec)
-            if spec.cached_tokens:  # a prefix-cache hit: blocks others hold and write (module docstring)
-                g.dec.share_prefix(torch.tensor([row], device=g.dec.live.device), spec.cached_tokens)
+            shared = spec.cached_tokens if spec.shared_tokens is None else spec.shared_tokens
+            if shared:  # a prefix-cache hit: blocks others hold and write (module docstring)
+                g.dec.share_prefix(torch.tensor([row], device=g.dec.live.device), shared)
         for rid, entries in payload.unshare.items():  # (copied by the caller before this)
             got = self.where.get(rid)
             if got is not None:

@@ -70,7 +70,8 @@ class VTokenV1Adapter:
                 if rs is None:
                     continue
                 for i, _, new in p.unshare.get(rid, ()):  # prefix caching: a cached block's private copy
-                    rs.block_ids[0][i] = new
+                    if i < len(rs.block_ids[0]):  # (a resumed request's ids are replaced by the step's anyway)
+                        rs.block_ids[0][i] = new
                 keep = p.truncate.get(rid)
                 if keep is not None:
                     for ids in rs.block_ids:
