@@ -7,9 +7,11 @@ Method:
   a time. Arms: ``stock`` (no ``vtoken`` key); ``vtoken`` (H2O: it needs the prompt's
   statistics, so a request keeps its cache hit, docs/integration.md, "Prefix caching");
   ``vtoken_tova``: a policy that needs no prompt statistics, so a first eviction copies the cached
-  blocks it writes; ``vtoken_protect_prompt`` (H2O, ``protect_cached_prefix: true``), all at
-  ``--budget``. (The committed result's ``vtoken_keydiff`` arm, ``decide_on: worker``, ran before
-  a hit became read-only for its sharer there, so it is left out of the table.)
+  blocks it writes; ``vtoken_skip`` (H2O, ``prefix_hits: skip``: a request whose hit H2O would
+  keep computes its prompt instead, so its tokens never depend on the cache);
+  ``vtoken_keydiff`` (KeyDiff, ``decide_on: worker``: a request copies its hit into private
+  blocks when it starts); ``vtoken_protect_prompt`` (H2O, ``protect_cached_prefix: true``), all
+  at ``--budget``.
 * Workload: ``--conversations`` ShareGPT conversations with at least ``--turns`` user turns,
   each user turn cut to ``--turn-chars`` characters, all starting with the same system prompt
   (a shared prefix across conversations). The conversations run concurrently (one thread
@@ -238,6 +240,8 @@ def main(argv=None) -> int:
     convs = conversations(args.conversations, args.turns, args.turn_chars)
     vt = {"policy": "h2o", "budget": args.budget}
     arms = [("stock", None), ("vtoken", vt), ("vtoken_tova", dict(vt, policy="tova")),
+            ("vtoken_skip", dict(vt, prefix_hits="skip")),
+            ("vtoken_keydiff", dict(vt, policy="keydiff", decide_on="worker")),
             ("vtoken_protect_prompt", dict(vt, protect_cached_prefix=True))]
     results = []
     for name, cfg in tqdm(arms, desc="arms", unit="server"):

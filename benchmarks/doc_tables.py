@@ -231,6 +231,8 @@ def quality_granularity_table(name: str = "quality_granularity.json") -> str:
 
 PREFIX_ARMS = (("stock", "stock vLLM"), ("vtoken", "vToken H2O (keeps its hit)"),
                ("vtoken_tova", "vToken TOVA (copies its hit)"),
+               ("vtoken_skip", "vToken H2O, `prefix_hits: skip`"),
+               ("vtoken_keydiff", "vToken KeyDiff, `decide_on: worker` (copies its hit at start)"),
                ("vtoken_protect_prompt", "vToken H2O, `protect_cached_prefix: true`"))
 
 

@@ -291,9 +291,10 @@ def test_prefix_hits_skip_makes_tokens_cache_independent(tiny, decide_on):
 # decide_on: worker, policies that need no statistics of the hit's tokens: a sharer copies its hit
 # into private blocks in the step that starts it (the cached blocks keep their hash for others),
 # its policy state covers the hit as its own tokens, and it evicts inside the hit: its tokens equal
-# the oracle's for it alone. W (H2O) computes and caches the prefix; five sharers of five policies
-# (budget 100, below the 128-token hit) arrive after its prefill.
-COPY_POLICIES = ("tova", "scissorhands", "streaming", "random", "keydiff")
+# the oracle's for it alone. W (H2O) computes and caches the prefix; six sharers of six policies
+# (budget 100, below the 128-token hit) arrive after its prefill. SnapKV's observation window (25
+# queries) lies after the hit, so it needs nothing of the hit's tokens (EvictionPolicy.keeps_hit).
+COPY_POLICIES = ("tova", "scissorhands", "streaming", "random", "keydiff", "snapkv")
 COPY_PHASES = [[_req("W", PREFIX + _suffix(20, 40))] + [
     dict(_req(f"K{i}", PREFIX + _suffix(40 + i, 60 + 10 * i), {"vtoken_policy": pol, "vtoken_budget": 100}),
          arrive_after=2) for i, pol in enumerate(COPY_POLICIES)]]

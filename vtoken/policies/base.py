@@ -225,6 +225,21 @@ class EvictionPolicy(ABC):
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"{self.name}: seed = {self.seed!r}; allowed: an integer")
 
+    def keeps_hit(self, prompt_len: int, hit: int) -> bool:
+        """Prefix caching: whether a request of ``prompt_len`` tokens whose first ``hit`` tokens
+        came from the prefix cache must keep its hit (never evict it), because its state after
+        the prompt would need statistics of the hit's tokens, which were never computed.
+
+        Args:
+            prompt_len: the request's prompt length, in tokens.
+            hit: its prefix-cache hit, in tokens (``0 < hit < prompt_len``).
+
+        Returns:
+            :attr:`prompt_statistics` by default; a policy whose prompt statistics come from its
+            last queries only (SnapKV) answers per request.
+        """
+        return self.prompt_statistics
+
     # ----- defaults (class-level; the config layer asks these) -----
     @classmethod
     def default_sink_tokens(cls, budget: int) -> int:

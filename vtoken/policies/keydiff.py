@@ -70,8 +70,9 @@ class KeyDiffPolicy(EvictionPolicy):
     Departures from the paper:
 
     * The paper evicts block-wise while prefilling (a prompt chunk at a time); vToken evicts
-      before each decode step, once the request is over its budget (bounded prefill is not
-      built yet), so the anchor covers the whole live cache.
+      before a decode step once the request is over its budget, and, with ``prefill_eviction:
+      chunks`` (the default under ``decide_on: worker``), before each prefill chunk too. Either
+      way the anchor covers the whole live cache at that moment.
     * With ``granularity`` other than ``head`` a set ranks the mean similarity of its heads.
     * Ties go to the smaller logical position (evicted first); a zero key has no cosine and
       is evicted first.

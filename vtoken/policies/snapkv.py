@@ -117,6 +117,12 @@ class SnapKVPolicy(EvictionPolicy):
     def default_recent_tokens(cls, budget: int) -> int:
         return cls.default_window(budget)
 
+    def keeps_hit(self, prompt_len: int, hit: int) -> bool:
+        """The observation window is the prompt's last ``window`` queries: when the part after
+        the hit holds all of them, the request computes them itself and needs nothing of the
+        hit's tokens (a hit stops at least one token short of the prompt)."""
+        return prompt_len - hit < self.window
+
     def state_specs(self):
         return {"score": ((), np.dtype(np.float64))}
 

@@ -245,8 +245,9 @@ class VTokenSchedulerMixin:
         # tokens sit in the request's first blocks (slots == positions), computed by others.
         # A hit supplies the KV the request would have computed; its first eviction copies the
         # cached blocks it may write (_vt_ready_to_evict). A policy whose state needs the
-        # statistics of the prompt's tokens (prompt_statistics: H2O's column sums ...) never got
-        # the hit's, so the hit is kept (protected): its blocks stay shared, never copied. Under
+        # statistics of the hit's tokens (EvictionPolicy.keeps_hit: H2O's column sums, SnapKV's
+        # window when the rest of the prompt is shorter) never got them, so the hit is kept
+        # (protected): its blocks stay shared, never copied. Under
         # decide_on: worker the side cache is indexed by KV slot, so a shared block's policy state
         # belongs to the request that computed it (worker/decisions.py, "Prefix caching"); any
         # other policy's hit is copied into private blocks now (_vt_copy_hit), and kept as under
@@ -260,7 +261,7 @@ class VTokenSchedulerMixin:
         if self._vt_caching and st.may_evict:
             bs = self._vt_bs
             own = self._vt_prompt_protected(cfg, request)
-            keep_hit = pol.prompt_statistics
+            keep_hit = pol.keeps_hit(prompt_len, hit) if hit else False
             if self._vt_worker and not keep_hit and hit > own:
                 keep_hit = not self._vt_copy_hit(rid, own // bs, hit // bs)
                 if not keep_hit:

@@ -30,7 +30,8 @@ holder writes) but never their policy state, and the scheduler protects the hit 
 blocks owns their state and keeps writing it until its first eviction copies them into private
 blocks (``copy_slots``). Tokens then equal the dense oracle with ``protected_prefix`` = the hit.
 That is the rule for a policy that needs statistics of the prompt tokens the hit skips
-(``EvictionPolicy.prompt_statistics``: H2O, SnapKV, K-norm). Any other policy's hit is copied
+(``EvictionPolicy.keeps_hit``: H2O, K-norm; SnapKV when fewer than its window of prompt tokens
+follow the hit). Any other hit is copied
 into private blocks in the step that starts the request (``WorkerSpec.shared_tokens`` = 0;
 the copies are ``StepPayload.unshare`` and the new block ids are already in the step's
 ``SchedulerOutput``): the appended hit slots get fresh state as the request's own tokens, the
