@@ -19,7 +19,8 @@ Method:
   (previous user turns and the server's own replies), ``max_tokens`` fixed with
   ``ignore_eos`` and greedy sampling, so every arm does the same number of steps.
 * Prefix-cache hit rate: the deltas of ``vllm:prefix_cache_hits_total`` /
-  ``vllm:prefix_cache_queries_total`` over the run (vLLM's own counters). Retained blocks:
+  ``vllm:prefix_cache_queries_total`` over the run (vLLM's own counters; 0 when no request looked
+  the cache up, ``vtoken:prefix_reads_skipped_total``). Retained blocks:
   ``vllm:kv_cache_usage_perc`` x (pool - 1) polled every 0.2 s (blocks held by running
   requests; cached free blocks count as free), mean and peak; for the vToken arms also
   ``vtoken:retained_blocks`` (sum over requests' block lists; a shared block counts per
@@ -205,13 +206,15 @@ def run_arm(name: str, vt, args, convs) -> dict:
         hits, queries = d.get("vllm:prefix_cache_hits_total", 0.0), d.get("vllm:prefix_cache_queries_total", 0.0)
         res = dict(arm=name, vtoken=vt, requests=len(prompt_tokens), prompt_tokens=sum(prompt_tokens),
                    prefix_cache_hits=hits, prefix_cache_queries=queries,
-                   prefix_cache_hit_rate=hits / queries if queries else None, wall_s=wall,
+                   # (no lookup at all, prefix_hits skip: nothing hit)
+                   prefix_cache_hit_rate=hits / queries if queries else 0.0, wall_s=wall,
                    blocks_mean=sum(samples["blocks"]) / max(len(samples["blocks"]), 1),
                    blocks_peak=max(samples["blocks"], default=0.0),
                    evicted_tokens=d.get("vtoken:evicted_tokens_total"), freed_blocks=d.get("vtoken:freed_blocks_total"),
                    unshared_blocks=d.get("vtoken:unshared_blocks_total"),
                    unshared_bytes=None if vt is None else d.get("vtoken:unshared_blocks_total", 0.0) * _block_bytes(),
-                   unshare_deferred=d.get("vtoken:unshare_deferred_total"))
+                   unshare_deferred=d.get("vtoken:unshare_deferred_total"),
+                   prefix_reads_skipped=d.get("vtoken:prefix_reads_skipped_total"))
         if samples["vtoken_retained"]:
             res["vtoken_retained_blocks_mean"] = sum(samples["vtoken_retained"]) / len(samples["vtoken_retained"])
             res["vtoken_retained_blocks_peak"] = max(samples["vtoken_retained"])
