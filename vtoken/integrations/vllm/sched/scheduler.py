@@ -895,11 +895,10 @@ class VTokenSchedulerMixin:
                 for i, _, new in entries:
                     cached.new_block_ids[j][0][i] = new
                 found.add(rid)
-        if found != copies.keys():  # (a request starts in a new or a resumed entry; never here)
-            raise RuntimeError(f"vToken: hit copies of {sorted(copies.keys() - found)} have no block ids in the "
-                               "step's SchedulerOutput")
         for rid, entries in copies.items():
             payload.unshare[rid] = entries
+            if rid not in found:  # (a state starts with a new or a resumed request; else as a first eviction's)
+                payload.kept_blocks[rid] = [b.block_id for b in self._vt_mgr.req_to_blocks[rid]]
 
     def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload) -> None:
         """``decide_on: worker``: evict ``k`` tokens of ``rid`` in counts; the worker picks which.
