@@ -178,7 +178,7 @@ class VTokenConfig(BaseModel):
         "tokens (its tokens can then differ from a run without the cache); skip: it does not read the prefix "
         "cache (vLLM's Request.skip_reading_prefix_cache): it computes its whole prompt, its tokens never depend "
         "on the cache, and its blocks are still cached for other requests. Other requests read their hits and "
-        "evict inside them exactly either way (docs/configuration.md, \"Prefix caching\")",
+        "evict inside them exactly either way. No effect with prefix caching off (docs/configuration.md, \"Prefix caching\")",
     )
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
