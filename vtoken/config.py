@@ -144,7 +144,8 @@ class VTokenConfig(BaseModel):
         "worker: the scheduler computes from counts only how many tokens each request evicts, and the worker picks "
         "which, batched in torch, with the policy state next to the KV cache; async scheduling then decides exactly "
         "as sync; refused (by name) with mode naive and on the CUDA worker (docs/device-decisions.md); with vLLM prefix "
-        "caching a request keeps its cache hit under every policy",
+        "caching a request copies its hit into its own blocks when it starts, or never evicts it where its policy "
+        "needs the hit's statistics (prefix_hits)",
     )
     granularity: Optional[Literal["request", "layer", "head", "head_shared"]] = Field(
         None,
