@@ -786,7 +786,7 @@ class VTokenSchedulerMixin:
         which nothing writes. So a hit needs no protection where the policy needs no statistics of
         the hit's tokens: tokens do not depend on the cache.
 
-        The copies need fresh blocks in this step (:meth:`_vt_copy_blocks`). When the free
+        The copies need fresh blocks in this step (:meth:`_vt_copy_cached`). When the free
         blocks do not cover the copies, the eviction is deferred
         (``vtoken:unshare_deferred_total``): the request keeps its tokens for now and tries
         again at its next eviction; under pool pressure vLLM may preempt it or another request
@@ -802,12 +802,10 @@ class VTokenSchedulerMixin:
         blocks = self._vt_mgr.req_to_blocks.get(rid, [])
         lo = st.floor // bs
         keep = len(blocks) if st.cfg.mode == "naive" else min(len(blocks), cdiv(live_after + 1, bs))
-        idx = [i for i in range(lo, keep) if blocks[i].block_hash is not None or blocks[i].ref_cnt > 1]
-        if idx:
-            entries = self._vt_copy_blocks(rid, blocks, idx)
-            if entries is None:
-                self.vt_stats.unshare_deferred += 1
-                return False
+        entries = self._vt_copy_cached(blocks, lo, keep)
+        if entries is None:
+            return False
+        if entries:
             payload.unshare[rid] = entries
             payload.kept_blocks[rid] = [b.block_id for b in blocks]
             if self._vt_check:
@@ -816,17 +814,21 @@ class VTokenSchedulerMixin:
         self._vt_accounting.cache_cap[rid] = lo * bs
         return True
 
-    def _vt_copy_blocks(self, rid: str, blocks: list, idx: list[int]) -> Optional[list[tuple[int, int, int]]]:
-        """Replace ``blocks[i]`` (``i`` in ``idx``: cached or shared blocks of ``rid``) by fresh
-        private blocks; the old ones lose this holder and keep their hash. Returns the copies
-        ``(index, old block id, new block id)`` for ``StepPayload.unshare``, or None (nothing
-        changed) when the free blocks cannot cover them.
+    def _vt_copy_cached(self, blocks: list, lo: int, hi: int) -> Optional[list[tuple[int, int, int]]]:
+        """Replace each hashed or shared block among a request's ``blocks[lo:hi]`` (its
+        ``req_to_blocks`` list, changed in place) by a fresh private block; the old ones lose this
+        holder and keep their hash. Returns the copies ``(index, old block id, new block id)`` for
+        ``StepPayload.unshare`` (empty when there is nothing to copy), or None, changing nothing
+        and counting ``vtoken:unshare_deferred_total``, when the free blocks cannot cover them.
 
         The copies never take a tail block that went back to the pool earlier in this step: this
         step's moves may still read that one after the copies wrote it (vLLM reuses a freed
         unhashed block first, ``BlockPool.free_blocks``). Those are set aside from the free queue
         while the copies' blocks are taken, and put back.
         """
+        idx = [i for i in range(lo, min(hi, len(blocks))) if blocks[i].block_hash is not None or blocks[i].ref_cnt > 1]
+        if not idx:
+            return []
         pool = self.kv_cache_manager.block_pool
         queue = pool.free_block_queue
         # (in the free queue: ref_cnt 0; once each, though a block shared by two requests that
@@ -838,6 +840,7 @@ class VTokenSchedulerMixin:
                 queue.remove(b)
                 removed.append(b)
             if len(idx) > pool.get_num_free_blocks():
+                self.vt_stats.unshare_deferred += 1
                 return None
             new = pool.get_new_blocks(len(idx))
         finally:  # back where vLLM put them: unhashed first in line, hashed last
@@ -856,7 +859,7 @@ class VTokenSchedulerMixin:
     def _vt_copy_hit(self, rid: str, lo: int, hi: int) -> bool:
         """``decide_on: worker``, a request starting with a prefix-cache hit, for a policy that
         needs no statistics of the hit's tokens: copy its hit blocks ``lo..hi-1`` into private
-        blocks in this step (``_vt_copy_blocks``), so the worker writes their policy state as
+        blocks in this step (``_vt_copy_cached``), so the worker writes their policy state as
         for the request's own tokens and the request may evict inside its hit
         (worker/decisions.py, "Prefix caching"). The copies reach the worker as
         ``StepPayload.unshare`` (K/V copied before the forward) and as the block ids of the
@@ -864,15 +867,11 @@ class VTokenSchedulerMixin:
         nothing, when the free blocks cannot cover the copies (counted in
         ``vtoken:unshare_deferred_total``; the hit is then kept, as for H2O).
         """
-        blocks = self._vt_mgr.req_to_blocks.get(rid, [])
-        idx = [i for i in range(lo, min(hi, len(blocks))) if blocks[i].block_hash is not None or blocks[i].ref_cnt > 1]
-        if not idx:
-            return True
-        entries = self._vt_copy_blocks(rid, blocks, idx)
+        entries = self._vt_copy_cached(self._vt_mgr.req_to_blocks.get(rid, []), lo, hi)
         if entries is None:
-            self.vt_stats.unshare_deferred += 1
             return False
-        self._vt_hit_copies[rid] = entries
+        if entries:
+            self._vt_hit_copies[rid] = entries
         return True
 
     def _vt_apply_hit_copies(self, out, payload: StepPayload) -> None:
@@ -949,7 +948,7 @@ class VTokenSchedulerMixin:
         if st.resuming:  # live slots below vLLM's position of this chunk (minus the offset) are done
             done = req.num_computed_tokens - n - st.table.offset
             if (st.refill == st.table.num_live and done > st.protected and self._vt_caching and st.may_evict
-                    and st.policy.prompt_statistics):
+                    and st.policy.keeps_hit(st.prompt_len, done)):
                 # The resume's first chunk hit the prefix cache. vLLM looks up only a request
                 # that resumes at num_computed_tokens 0, i.e. one that has evicted nothing, so
                 # slots == positions and the hit is the KV it computed; a policy that needs the
