@@ -164,6 +164,10 @@ class DeviceDecider:
         self.shared = torch.zeros(max_requests, dtype=torch.int64, device=device)
         self.req_fields = {k: torch.zeros((self.num_sets, max_requests), dtype=dt, device=device)
                            for k, dt in policy.request_specs().items()}
+        #: Naive-Evict's accounting (:meth:`naive_freed_blocks`): per request row and logical
+        #: block ``p // B``, the (set, token) evictions so far; int32 ``[max_requests, C]``, ``C``
+        #: grown to the widest logical block index evicted (4 bytes per logical block of a request)
+        self.dead = torch.zeros((max_requests, 0), dtype=torch.int32, device=device)
 
     def ensure_rows(self, n: int) -> None:
         """Make room for request rows ``0..n-1`` (new rows start empty)."""
@@ -174,6 +178,7 @@ class DeviceDecider:
                                                         device=t.device)], dim=d)
         self.live, self.logical, self.shared = grow(self.live), grow(self.logical), grow(self.shared)
         self.req_fields = {k: grow(t, 1) for k, t in self.req_fields.items()}
+        self.dead = grow(self.dead)
 
     # (set, request) rows: [S, R, N, *lead] <-> [S*R, N, *lead] (row s*R + r), views, no copy
     @staticmethod
@@ -207,6 +212,21 @@ class DeviceDecider:
         self.shared[rows] = 0
         for t in self.req_fields.values():
             t[:, rows] = 0
+        self.dead[rows] = 0
+
+    def naive_freed_blocks(self, rows: torch.Tensor) -> torch.Tensor:
+        """Naive-Evict's freed blocks of request ``rows`` (int64 ``[R]``): logical blocks ``b``
+        (positions ``b*B .. b*B + B-1``) whose every token every set has evicted. On the
+        append-only layout Naive-Evict frees exactly these (a partly filled last block has fewer
+        than ``B * num_sets`` evictions), so it holds ``cdiv(logical, B) - freed`` blocks, the
+        count :class:`vtoken.repack.NaiveEvictCounter` keeps from the same positions (several
+        sets: a block is freed once it is dead in all of them, the union of what they keep).
+
+        Returns:
+            int64 ``[R]``, on the decider's device.
+        """
+        full = self.block_size * self.num_sets
+        return (self.dead[rows] == full).sum(1, dtype=torch.int64)
 
     def share_prefix(self, rows: torch.Tensor, n: torch.Tensor | int) -> None:
         """Mark the first ``n`` slots of request ``rows`` (int64 ``[R]``; ``n`` int or ``[R]``,
@@ -343,7 +363,17 @@ class DeviceDecider:
         self.side.move(src, dst, set_ids if sets > 1 else None)
         self.live[rows] = new_live[0]
         ev_req = ev_rows % r if sets > 1 else ev_rows
-        return Eviction(src, dst, req_rows, plan.src, plan.dst, new_live[0], pos[ev_rows, ev_cols], ev_req, set_ids)
+        ev_pos = pos[ev_rows, ev_cols]
+        if ev_pos.numel():  # (its length is known on the host already: a data-dependent shape)
+            blk = ev_pos // self.block_size
+            width = int(blk.max()) + 1
+            if width > self.dead.shape[1]:
+                grown = torch.zeros((self.dead.shape[0], max(width, 2 * self.dead.shape[1])), dtype=torch.int32,
+                                    device=self.dead.device)
+                grown[:, : self.dead.shape[1]] = self.dead
+                self.dead = grown
+            self.dead.index_put_((rows[ev_req], blk), torch.ones_like(blk, dtype=torch.int32), accumulate=True)
+        return Eviction(src, dst, req_rows, plan.src, plan.dst, new_live[0], ev_pos, ev_req, set_ids)
 
     def logical_pos(self, row: int, block_table_row: torch.Tensor, set_index: int = 0) -> torch.Tensor:
         """int64 ``[live]``: request ``row``'s slot -> logical position in set ``set_index``

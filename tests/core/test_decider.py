@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from vtoken.config import VTokenConfig
 from vtoken.decider import DeviceDecider, SideCache
 from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
+from vtoken.repack import NaiveEvictCounter
 from vtoken.token_table import TokenTable
 
 B = 4
@@ -25,6 +26,7 @@ class _Ref:
 
     def __init__(self, policy):
         self.pol, self.table, self.state = policy, TokenTable(B), policy.init_state()
+        self.table_evicted: list[np.ndarray] = []
 
     def append(self, n):
         old = self.table.num_live
@@ -42,6 +44,7 @@ class _Ref:
     def evict(self, k, prefix):
         victims = self.pol.select_victims(self.state, self.view(prefix), k)
         positions = self.table.logical_pos[victims].copy()
+        self.table_evicted.append(positions)
         plan = self.table.evict_slots(victims)
         self.state.apply_moves(plan.src, plan.dst)
         return positions, plan
@@ -68,6 +71,7 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, wind
     prefix = rng.integers(0, 6, num_req)
     prefill = rng.integers(1, 20, num_req)
     counts_log = []
+    dead = [[set() for _ in range(sets)] for _ in range(num_req)]  # per (request, set): positions evicted
     for step in range(steps):
         # which requests run this step, and how many tokens they write (a 2-chunk prefill too)
         if step == 0:
@@ -107,6 +111,8 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, wind
                 assert int(ev.new_live[j]) == refs_sets[i][s_].table.num_live
             got_pos = sorted(ev.evicted_pos[ev.evicted_rows == j].tolist())
             assert got_pos == sorted(all_pos), (policy_name, step, i)
+            for s_ in range(sets):
+                dead[i][s_].update(int(p) for p in refs_sets[i][s_].table_evicted[-1])
         # 2. append this step's tokens
         c = counts[run]
         dec.append(rows, bt[run], torch.tensor(c, device=device))
@@ -144,7 +150,19 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, wind
                             if pol.needs & AttentionNeed.LAST_ROW and samples[part[0]] else None,
                             torch.tensor(kn[part], device=device) if use_kn else None)
         counts_log.append(len(run))
-        # 4. the token tables agree
+        # 4. the token tables agree; Naive-Evict's freed blocks: a logical block every set evicted
+        # whole (from the positions; with one set also NaiveEvictCounter's count)
+        freed = dec.naive_freed_blocks(rows_all).tolist()
+        for i in range(num_req):
+            n_logical = refs[i].table.num_logical
+            want = sum(all(set(range(b * B, b * B + B)) <= d for d in dead[i]) for b in range(n_logical // B))
+            assert freed[i] == want, (policy_name, step, i, freed[i], want)
+            if sets == 1:
+                counter = NaiveEvictCounter(B)
+                counter.append(n_logical)
+                if dead[i][0]:
+                    counter.evict_positions(np.array(sorted(dead[i][0]), dtype=np.int64))
+                assert freed[i] == counter.num_freed_blocks
         for i in range(num_req):
             for s_ in range(sets):
                 got = dec.logical_pos(int(rows_all[i]), bt[i], s_).tolist()

@@ -7,6 +7,7 @@ Every run has ``VTOKEN_CHECK=1`` (block accounting after every schedule())."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vtoken.assets.paths import ensure_tiny_model
@@ -56,13 +57,31 @@ def oracle(tiny):
     model = load_oracle_model(tiny)
     cache: dict = {}
 
-    def tokens(prompt, cfg, new=NEW, **kw) -> list[int]:
+    def result(prompt, cfg, new=NEW, **kw):
         key = (tuple(prompt), cfg.model_dump_json(), new, tuple(sorted(kw.get("evict_schedule", {}).items())))
         if key not in cache:
-            cache[key] = list(oracle_generate(model, prompt, new, cfg, score_lag=0, **kw).token_ids)
+            cache[key] = oracle_generate(model, prompt, new, cfg, score_lag=0, **kw)
         return cache[key]
 
+    def tokens(prompt, cfg, new=NEW, **kw) -> list[int]:
+        return list(result(prompt, cfg, new, **kw).token_ids)
+
+    tokens.result = result
     return tokens
+
+
+def _naive_blocks(ref, num_logical: int, block_size: int = 32) -> int:
+    """Naive-Evict's retained blocks after the oracle's evictions (an independent count: a full
+    logical block is freed once every token set has evicted every position in it)."""
+    per_step = ref.evicted_positions_sets or [[e] for e in ref.evicted_positions]
+    sets = max((len(e) for e in per_step), default=1)
+    dead = [set() for _ in range(sets)]
+    for step in per_step:
+        for s, e in enumerate(step):
+            dead[s].update(np.asarray(e).tolist())
+    freed = sum(all(p in d for d in dead for p in range(b * block_size, (b + 1) * block_size))
+                for b in range(num_logical // block_size))
+    return -(-num_logical // block_size) - freed
 
 
 _runs: dict = {}
@@ -92,11 +111,49 @@ def test_tokens_equal_the_oracle_without_lag(run, oracle):
             bad.append(r["id"])
     assert not bad, f"{path}: {bad}"
     by_id = {r["id"]: r for r in _requests()}
+    freed_somewhere = False
     for f in out["vtoken"]["finished"]:
-        cfg = parse_request_overrides(by_id[f["req_id"].rsplit("-", 1)[0]]["extra_args"]).apply(base)
+        r = by_id[f["req_id"].rsplit("-", 1)[0]]
+        cfg = parse_request_overrides(r["extra_args"]).apply(base)
         assert f["evicted"] + f["num_live"] == f["num_logical"]
         # fixed pacing: at most budget + slack live after a step (+1: the token appended last)
         assert f["num_live"] <= max(cfg.budget + cfg.resolved_slack(), f["prompt_len"]) + 1, f
+        # the vtoken:naive_retained_blocks figure: the worker's dead-block counts, exact at the end
+        want = _naive_blocks(oracle.result(r["prompt_token_ids"], cfg), f["num_logical"])
+        assert f["naive_blocks"] == want, (r["id"], f["naive_blocks"], want)
+        freed_somewhere |= want < -(-f["num_logical"] // 32)
+        assert f["naive_peak_blocks"] >= f["peak_blocks"] and f["naive_avg_blocks"] >= f["avg_blocks"], f
+    assert freed_somewhere  # (the check above can tell a freed block from none)
+
+
+@pytest.mark.parametrize("path", ["v1-sync", "mrv2-async"])
+def test_naive_mode_on_the_worker(tiny, oracle, path):
+    """``mode: naive`` under ``decide_on: worker``: the same decisions and tokens as vToken (the
+    oracle's), while the engine holds Naive-Evict's blocks, from the counts the worker returns
+    (``VTOKEN_CHECK=1`` checks every scheduled request holds exactly them after every step); at the
+    end each request's count equals Naive-Evict's from the oracle's evicted positions, and every
+    block is back in the pool. Slack 8: a request evicts every few steps, so the blocks a report
+    releases go back to the pool in a step where it does not evict."""
+    cfg = dict(BASE, mode="naive", slack=8)
+    reqs = [r for r in _requests() if r["extra_args"]["vtoken_policy"] in ("h2o", "tova", "streaming", "keydiff")]
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=cfg, requests=reqs), env=path_env(path))
+    assert out["paths"] == EXPECTED[path]
+    s = out["vtoken"]["stats"]
+    assert s["evicted_tokens"] > 0 and s["freed_blocks"] > 0 and s["request_faults"] == 0
+    assert out["free_blocks_end"] == out["free_blocks_start"] == out["num_blocks"] - 1
+    base = parse_config(cfg)
+    fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
+    held_more = 0
+    for r in reqs:
+        rc = parse_request_overrides(r["extra_args"]).apply(base)
+        ref = oracle.result(r["prompt_token_ids"], rc)
+        assert out["tokens"][r["id"]] == list(ref.token_ids), r["id"]
+        f = fin[r["id"]]
+        assert f["mode"] == "naive" and f["naive_blocks"] == _naive_blocks(ref, f["num_logical"]), (r["id"], f)
+        # it holds Naive-Evict's blocks (one report late at most), more than vToken's live tokens need
+        assert f["avg_blocks"] >= f["naive_avg_blocks"], (r["id"], f)
+        held_more += f["peak_blocks"] > -(-(f["num_live"] + 1) // 32)
+    assert held_more > 0
 
 
 def test_async_equals_sync_token_for_token(run):

@@ -125,8 +125,6 @@ def _wrap_create_engine_config() -> None:
 
 def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
     """``decide_on: worker`` is refused, by name, with what it does not cover yet (refusals.py)."""
-    if cfg.mode == "naive":
-        refusals.refuse("worker_naive", "worker")
     if worker_cls == platforms.CUDA_WORKER_CLS:
         refusals.refuse("worker_cuda", "worker")
     tp = vcfg.parallel_config.tensor_parallel_size

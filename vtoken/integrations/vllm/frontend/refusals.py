@@ -93,9 +93,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("scheduler_cls", "--scheduler-cls", "start-up",
             "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
             "async scheduling)"),
-    Refusal("worker_naive", "vtoken.decide_on = worker with vtoken.mode = naive", "start-up",
-            "Naive-Evict's dead-block counts need each eviction's positions, which stay on the worker; allowed with "
-            "mode naive: decide_on scheduler (the default)"),
     Refusal("worker_cuda", "vtoken.decide_on = worker on the CUDA worker", "start-up",
             "the worker-side decisions have not run on a GPU yet; allowed on CUDA: decide_on scheduler (the default)"),
     Refusal("per_head_replicated_kv", "vtoken.granularity = head or head_shared with --tensor-parallel-size above the "

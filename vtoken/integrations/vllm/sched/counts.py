@@ -32,22 +32,24 @@ import numpy as np
 from vtoken.integrations.vllm.sched.state import RequestState
 from vtoken.protocol import CountTable
 
-__all__ = ["COLUMNS", "COLUMN_FIELDS", "FLAG_FIELDS", "ColumnCountTable", "CountColumns", "CountState"]
+__all__ = ["COLUMNS", "COLUMN_FIELDS", "FLAG_FIELDS", "ColumnCountTable", "CountColumns", "CountNaive", "CountState"]
 
 #: the columns of :attr:`CountColumns.data`: the table counts, the ``RequestState`` fields of
 #: :data:`COLUMN_FIELDS`, the flags (:data:`FLAG_FIELDS`, one bit each), the current
 #: eviction-log run (first decode step, tokens, steps, last decode step; tokens 0: no run), the
 #: blocks the request holds (as of the scheduler's last look: the bookkeeping after
-#: ``schedule()``, or a tail freed since), its Naive-Evict retained blocks (set when the state is
-#: made: nothing changes them under ``decide_on: worker``, whose worker keeps the positions) and
-#: three figures derived from the fields (:func:`derived`), kept by the fields' setters
+#: ``schedule()``, or a tail freed since), its Naive-Evict figures (retained blocks
+#: ``cdiv(logical, B) - naive_freed``, the freed blocks the worker last reported, and their
+#: lifetime sums; :class:`CountNaive`) and three figures derived from the fields
+#: (:func:`derived`), kept by the fields' setters
 COLUMNS = ("live", "logical", "budget", "slack", "floor", "recent", "score_need", "score_every", "decode_steps",
            "steps", "held_block_steps", "peak_blocks", "full_block_steps", "full_peak_blocks", "evicted",
            "clean_len", "min_dst_slot", "flags", "run_start", "run_k", "run_len", "run_last", "held", "naive_blocks",
-           "threshold", "cap_over", "ask_every")
+           "naive_freed", "naive_block_steps", "naive_peak_blocks", "threshold", "cap_over", "ask_every")
 (LIVE, LOGICAL, BUDGET, SLACK, FLOOR, RECENT, SCORE_NEED, SCORE_EVERY, DECODE_STEPS, STEPS, HELD_BLOCK_STEPS,
  PEAK_BLOCKS, FULL_BLOCK_STEPS, FULL_PEAK_BLOCKS, EVICTED, CLEAN_LEN, MIN_DST_SLOT, FLAGS, RUN_START, RUN_K,
- RUN_LEN, RUN_LAST, HELD, NAIVE_BLOCKS, THRESHOLD, CAP_OVER, ASK_EVERY) = range(len(COLUMNS))
+ RUN_LEN, RUN_LAST, HELD, NAIVE_BLOCKS, NAIVE_FREED, NAIVE_BLOCK_STEPS, NAIVE_PEAK_BLOCKS, THRESHOLD, CAP_OVER,
+ ASK_EVERY) = range(len(COLUMNS))
 #: ``RequestState`` bool fields kept as bits of the ``flags`` column
 FLAG_FIELDS = {"decoding": 1, "may_evict": 2, "faulted": 4, "chunk_evict": 8}
 DECODING, MAY_EVICT, FAULTED, CHUNK_EVICT = 1, 2, 4, 8
@@ -82,7 +84,7 @@ def derived(row: np.ndarray) -> tuple[int, int, int]:
 #: ``RequestState`` fields a :class:`CountState` keeps in its row (``clean_len``: -1 is None)
 COLUMN_FIELDS = ("budget", "slack", "floor", "recent", "score_need", "score_every", "decode_steps", "steps",
                  "held_block_steps", "peak_blocks", "full_block_steps", "full_peak_blocks", "evicted", "clean_len",
-                 "min_dst_slot") + tuple(FLAG_FIELDS)
+                 "min_dst_slot", "naive_block_steps", "naive_peak_blocks") + tuple(FLAG_FIELDS)
 
 
 class CountColumns:
@@ -246,6 +248,47 @@ class ColumnCountTable(CountTable):
         st._cols.data[LOGICAL, st._row] = value
 
 
+class CountNaive:
+    """Naive-Evict's figures of a :class:`CountState` (``decide_on: worker``), in its row: the worker
+    keeps the evicted positions and reports how many logical blocks are entirely dead
+    (``DeviceDecider.naive_freed_blocks``, through ``ModelRunnerOutput.vtoken_naive_freed``), so
+    the retained blocks are ``cdiv(logical, B) - freed``, as
+    :class:`vtoken.repack.NaiveEvictCounter` counts them from the positions. The report of a step
+    arrives after its forward: one step after the scheduler path would count the same eviction
+    (two under async scheduling). Until it arrives Naive-Evict is charged the blocks it held
+    before, so the lag only ever adds blocks to the baseline."""
+
+    def __init__(self, st: "CountState", block_size: int):
+        self._st = st
+        self.block_size = block_size
+
+    @property
+    def num_logical(self) -> int:
+        return self._st.table.num_logical
+
+    @property
+    def num_freed_blocks(self) -> int:
+        st = self._st
+        return int(st._cols.data[NAIVE_FREED, st._row])
+
+    @property
+    def num_retained_blocks(self) -> int:
+        st = self._st
+        d = st._cols.data
+        return -(-int(d[LOGICAL, st._row]) // self.block_size) - int(d[NAIVE_FREED, st._row])
+
+    def set_freed(self, freed: int) -> None:
+        """The worker's report: ``freed`` logical blocks are entirely dead (updates the row's
+        ``naive_blocks``)."""
+        st = self._st
+        d = st._cols.data
+        d[NAIVE_FREED, st._row] = freed
+        d[NAIVE_BLOCKS, st._row] = self.num_retained_blocks
+
+    def append(self, n: int) -> None:
+        """Nothing to do: the logical count is the table's (the row's)."""
+
+
 class CountState(RequestState):
     """A :class:`RequestState` whose :data:`COLUMN_FIELDS` and table counts live in a row of
     ``cols`` (module docstring). Made as a ``RequestState`` is, plus ``cols`` and ``block_size``;
@@ -256,6 +299,7 @@ class CountState(RequestState):
         self._row = cols.alloc()
         kwargs["table"] = ColumnCountTable(self, block_size)
         super().__init__(*args, **kwargs)
+        self.naive = CountNaive(self, block_size)
 
     @property
     def row(self) -> int:

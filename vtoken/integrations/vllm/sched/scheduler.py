@@ -127,7 +127,10 @@ class VTokenSchedulerMixin:
         self._vt_offset_updates: dict[str, int] = {}
         #: decide_on: worker: states made in this schedule() (announced to the worker on the payload)
         self._vt_new_states: dict[str, RequestState] = {}
-        #: decide_on: worker: hit copies made in this step (_vt_copy_hit), rid -> unshare entries
+        #: decide_on: worker, mode naive: requests whose Naive-Evict count the worker lowered
+        #: since the last schedule() (their released tail blocks go back to the pool in the next)
+        self._vt_naive_pending: set[str] = set()
+        #: decide_on: worker, hit copies made in this step (_vt_copy_hit), rid -> unshare entries
         self._vt_hit_copies: dict[str, list[tuple[int, int, int]]] = {}
         #: decide_on: worker: the states' per-request integers (sched/counts.py) and each state's row
         self._vt_cols = CountColumns()
@@ -272,6 +275,7 @@ class VTokenSchedulerMixin:
         self._vt_accounting.track(rid, st)
         if self._vt_worker:
             self._vt_cols.data[C.NAIVE_BLOCKS, st.row] = st.naive.num_retained_blocks  # (for the gauges)
+            st.born_step = self._vt_step_no  # (the worker's reports of earlier steps are not its own)
             self._vt_rows[rid] = st.row
             self._vt_rows_version += 1
             self._vt_new_states[rid] = st
@@ -456,9 +460,12 @@ class VTokenSchedulerMixin:
                         self._vt_fault(req.request_id, st, e)
         else:
             self._vt_evict_fixed_counts(payload, is_async)
+        if self._vt_naive_pending:
+            self._vt_free_naive_pending(payload)
         self.vt_stats.repack_seconds += time.perf_counter() - t0
 
         out = super().schedule(*args, **kwargs)
+        out.vtoken_step = self._vt_step_no  # (the worker's reports of this step name it: _vt_take_naive_freed)
 
         if self._vt_preempted_now:
             self._vt_collect_counts(payload)
@@ -481,6 +488,22 @@ class VTokenSchedulerMixin:
                                out.num_scheduled_tokens, self._vt_mgr.req_to_blocks, states, self._vt_accounting)
             self._vt_trace.write(json.dumps(rec) + "\n")
         return out
+
+    def _vt_free_naive_pending(self, payload: StepPayload) -> None:
+        """``mode: naive`` under ``decide_on: worker``: the blocks Naive-Evict no longer keeps
+        by the worker's latest counts go back to the pool (``_vt_free_tail``), in the running
+        order."""
+        pending, self._vt_naive_pending = self._vt_naive_pending, set()
+        states = self._vt_states
+        freed = 0
+        for req in self.running:
+            rid = req.request_id
+            if rid in pending and (st := states.get(rid)) is not None and not st.faulted:
+                try:
+                    freed += self._vt_free_tail(rid, st, payload)
+                except Exception as e:  # noqa: BLE001 - confined to this request
+                    self._vt_fault(rid, st, e)
+        self.vt_stats.freed_blocks += freed
 
     def _vt_rows_of(self, rids: list, cache: str) -> tuple[np.ndarray, Optional[slice]]:
         """``self._vt_rows`` of each of ``rids`` (-1: no state), and the same as a slice when they
@@ -571,6 +594,13 @@ class VTokenSchedulerMixin:
         np.maximum(m[C.PEAK_BLOCKS], held, out=m[C.PEAK_BLOCKS])
         m[C.FULL_BLOCK_STEPS] += full
         np.maximum(m[C.FULL_PEAK_BLOCKS], full, out=m[C.FULL_PEAK_BLOCKS])
+        # Naive-Evict (CountNaive): cdiv(logical, B) minus the freed blocks the worker reported
+        naive = np.subtract(full, m[C.NAIVE_FREED], out=m[C.NAIVE_BLOCKS])
+        naive_b = m[C.LIVE] + (self._vt_bs - 1)
+        naive_b //= self._vt_bs
+        np.maximum(naive_b, naive, out=naive_b)
+        m[C.NAIVE_BLOCK_STEPS] += naive_b
+        np.maximum(m[C.NAIVE_PEAK_BLOCKS], naive_b, out=m[C.NAIVE_PEAK_BLOCKS])
         if sl is None:
             data[:, rows] = m
 
@@ -1066,6 +1096,9 @@ class VTokenSchedulerMixin:
 
     # ------------------------------------------------------------------ feedback
     def update_from_output(self, scheduler_output, model_runner_output):
+        naive = getattr(model_runner_output, "vtoken_naive_freed", None)
+        if naive:
+            self._vt_take_naive_freed(naive, getattr(scheduler_output, "vtoken_step", -1))
         scores = getattr(model_runner_output, "vtoken_scores", None) or {}
         payload = getattr(scheduler_output, "vtoken", None)
         if scores and payload is not None:
@@ -1083,6 +1116,23 @@ class VTokenSchedulerMixin:
         res = super().update_from_output(scheduler_output, model_runner_output)
         self._vt_publish_if_idle()
         return res
+
+    def _vt_take_naive_freed(self, freed: dict[str, int], step: int) -> None:
+        """``decide_on: worker``: the worker's Naive-Evict freed-block counts of step ``step``
+        (``WorkerDecisions.take_naive_freed``), read before vLLM finishes requests (so a finished
+        request's figures include its last eviction). A count for a state made after that step
+        (the request was preempted and started again since) is stale and dropped. Under
+        ``mode: naive`` the tail blocks the new count releases go back to the pool at the start
+        of the next ``schedule()`` (:attr:`_vt_naive_pending`)."""
+        states = self._vt_states
+        naive_mode = self.vt_cfg.mode == "naive"
+        for rid, n in freed.items():
+            st = states.get(rid)
+            if st is None or not isinstance(st, CountState) or st.born_step > step:
+                continue
+            st.naive.set_freed(n)
+            if naive_mode:
+                self._vt_naive_pending.add(rid)
 
     def finish_requests(self, *args, **kwargs):
         res = super().finish_requests(*args, **kwargs)

@@ -91,6 +91,9 @@ class RequestState:
     #: yet). Blocks from here on are never hashed for later requests, even once it ends.
     min_dst_slot: int = 1 << 62
     generation: int = field(default_factory=lambda: next(_generation))
+    #: decide_on: worker: the scheduler step that made this state (the worker's reports of
+    #: earlier steps belong to an earlier state of the same request)
+    born_step: int = 0
     # lifetime accounting (for retained-blocks figures); ``steps`` is also the request-step index
     steps: int = 0
     held_block_steps: int = 0  # sum over scheduled steps of blocks held
@@ -151,12 +154,11 @@ class RequestState:
     def lifetime(self, req_id: str) -> dict[str, Any]:
         """The finished request's lifetime figures (blocks are time averages over its steps)."""
         n = max(self.steps, 1)
-        counts_only = not hasattr(self.table, "logical_pos")  # decide_on: worker: no Naive-Evict figures
         return dict(
             req_id=req_id, steps=self.steps, mode=self.cfg.mode, policy=self.cfg.policy, budget=self.budget,
             prompt_len=self.prompt_len, avg_blocks=self.held_block_steps / n, peak_blocks=self.peak_blocks,
-            naive_avg_blocks=None if counts_only else self.naive_block_steps / n,
-            naive_peak_blocks=None if counts_only else self.naive_peak_blocks,
+            naive_avg_blocks=self.naive_block_steps / n, naive_peak_blocks=self.naive_peak_blocks,
+            naive_blocks=self.naive.num_retained_blocks,
             full_avg_blocks=self.full_block_steps / n, full_peak_blocks=self.full_peak_blocks,
             evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
             protected=self.protected, cached_tokens=self.cached_tokens,

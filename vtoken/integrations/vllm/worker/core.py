@@ -52,6 +52,11 @@ __all__ = ["VTokenWorkerCore"]
 LayoutFactory = Callable[[Any, torch.Tensor], KVLayout]
 
 
+def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+
+
 class VTokenWorkerCore:
     """Per-worker vToken state shared by every runner adapter (module docstring).
 
@@ -342,10 +347,15 @@ class VTokenWorkerCore:
             return None
         else:
             res = st.result() or None
-        if self.decisions is not None:  # decide_on: worker: folded here, nothing goes back
+        if self.decisions is not None:  # decide_on: worker: folded here; no statistic goes back
             self.decisions.fold(res)
             return None
         return res
+
+    def take_naive_freed(self) -> Optional[dict[str, int]]:
+        """``decide_on: worker``: the step's changed Naive-Evict freed-block counts
+        (:meth:`WorkerDecisions.take_naive_freed`), or None."""
+        return None if self.decisions is None else self.decisions.take_naive_freed()
 
     # -------------------------------------------------------------- tensor parallel
     def _tp_world(self) -> int:
@@ -436,33 +446,40 @@ class VTokenWorkerCore:
         np.save(os.path.join(self.test_dir, f"kv-rank{self._rank()}-{safe}.npy"), torch.stack(ks).numpy())
 
     @staticmethod
-    def attach_scores(out, scores: Optional[ScoreMap]):
-        """Hang ``scores`` on the step's output as ``vtoken_scores``; returns the output to pass on.
+    def attach_scores(out, scores: Optional[ScoreMap], naive_freed: Optional[dict[str, int]] = None):
+        """Hang ``scores`` on the step's output as ``vtoken_scores`` (and ``decide_on: worker``'s
+        ``naive_freed``, req_id -> Naive-Evict's freed blocks, as ``vtoken_naive_freed``); returns
+        the output to pass on.
 
         Handles a ``ModelRunnerOutput`` (a shared empty one is copied first), Model Runner
         V2's ``AsyncOutput`` (its ``model_runner_output``) and the V1 runner's async output
         (its ``get_output`` is wrapped on the instance). On the CPU the statistics are
         host arrays computed during the forward, so nothing is left in flight.
         """
-        if not scores or out is None:
+        if (not scores and not naive_freed) or out is None:
             return out
+        attrs = {}
+        if scores:
+            attrs["vtoken_scores"] = scores
+        if naive_freed:
+            attrs["vtoken_naive_freed"] = naive_freed
         inner = getattr(out, "model_runner_output", None)
         if inner is not None:  # MRV2 AsyncOutput: get_output() returns this very object
-            inner.vtoken_scores = scores
+            _set_attrs(inner, attrs)
             return out
         if hasattr(out, "sampled_token_ids"):  # a ModelRunnerOutput
             from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
             if out is EMPTY_MODEL_RUNNER_OUTPUT:
                 out = copy.copy(out)
-            out.vtoken_scores = scores
+            _set_attrs(out, attrs)
             return out
         if hasattr(out, "get_output"):  # V1 AsyncGPUModelRunnerOutput
             orig = out.get_output
 
             def get_output(_orig=orig):
                 res = _orig()
-                res.vtoken_scores = scores
+                _set_attrs(res, attrs)
                 return res
 
             out.get_output = get_output

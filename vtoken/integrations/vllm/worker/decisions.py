@@ -73,6 +73,7 @@ class _Group:
         self.free: list[int] = list(range(15, -1, -1))
         self.bt = np.zeros((16, 16), dtype=np.int64)  # row -> block ids (a prefix of nblocks[row])
         self.nblocks = np.zeros(16, dtype=np.int64)
+        self.freed = np.zeros(16, dtype=np.int64)  # row -> Naive-Evict's freed blocks last reported
 
     def add(self) -> int:
         if not self.free:
@@ -80,9 +81,11 @@ class _Group:
             self.dec.ensure_rows(2 * n)
             self.bt = np.concatenate([self.bt, np.zeros_like(self.bt)])
             self.nblocks = np.concatenate([self.nblocks, np.zeros_like(self.nblocks)])
+            self.freed = np.concatenate([self.freed, np.zeros_like(self.freed)])
             self.free = list(range(2 * n - 1, n - 1, -1))
         row = self.free.pop()
         self.nblocks[row] = 0
+        self.freed[row] = 0
         self.dec.reset(torch.tensor([row], device=self.dec.live.device))
         return row
 
@@ -131,6 +134,9 @@ class WorkerDecisions:
         #: granularity) -> float64 [R, S, max live]`` key similarities from the KV cache
         #: (``VTokenWorkerCore.key_similarity_sets``), read right before the group evicts
         self.key_reader: Optional[Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = None
+        #: this step's Naive-Evict figures, per group that evicted: (group, rows, request ids,
+        #: int64 [R] freed blocks on the device), read by :meth:`take_naive_freed`
+        self._naive: list[tuple[_Group, list[int], list[str], torch.Tensor]] = []
 
     @staticmethod
     def _key(spec: WorkerSpec) -> str:
@@ -163,6 +169,7 @@ class WorkerDecisions:
             slot ids of the K/V moves and the token set of each (``docs/granularity.md``: which
             layers and KV heads a set's moves apply to).
         """
+        self._naive = []
         for rid in scheduler_output.finished_req_ids:
             self._drop(rid)
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -245,7 +252,27 @@ class WorkerDecisions:
                              recent_tokens=torch.tensor([s.recent_tokens for s in spec], device=dev),
                              protected_prefix=torch.tensor([s.protected_prefix for s in spec], device=dev))
             out.append((g.granularity, ev.src, ev.dst, ev.sets))
+            self._naive.append((g, rows, rids, g.dec.naive_freed_blocks(rows_t)))
         return out
+
+    def take_naive_freed(self) -> Optional[dict[str, int]]:
+        """Naive-Evict's freed blocks (``DeviceDecider.naive_freed_blocks``) of every request
+        whose count changed in this step's eviction, or None: the one figure the worker returns
+        to the scheduler (``ModelRunnerOutput.vtoken_naive_freed``), which gives the
+        ``vtoken:naive_retained_blocks`` gauge and, under ``mode: naive``, the blocks it keeps.
+        Called after the forward (one host read of ``[R]`` integers per evicting group)."""
+        if not self._naive:
+            return None
+        out: dict[str, int] = {}
+        for g, rows, rids, freed in self._naive:
+            got = freed.cpu().numpy()
+            r = np.asarray(rows, dtype=np.int64)
+            changed = np.flatnonzero(got != g.freed[r])
+            if len(changed):
+                g.freed[r[changed]] = got[changed]
+                out.update((rids[i], int(got[i])) for i in changed.tolist())
+        self._naive = []
+        return out or None
 
     def _take_block_ids(self, so: Any) -> None:
         for nr in so.scheduled_new_reqs:

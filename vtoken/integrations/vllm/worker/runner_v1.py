@@ -109,7 +109,7 @@ class VTokenV1Adapter:
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
-        return self._vt.attach_scores(out, self._vt.take_scores())
+        return self._vt.attach_scores(out, self._vt.take_scores(), self._vt.take_naive_freed())
 
 
 class VTokenCPUModelRunner(VTokenV1Adapter, CPUModelRunner):

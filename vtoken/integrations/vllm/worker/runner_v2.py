@@ -130,7 +130,7 @@ class VTokenV2Adapter:
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
-        return self._vt.attach_scores(out, self._vt.take_scores())
+        return self._vt.attach_scores(out, self._vt.take_scores(), self._vt.take_naive_freed())
 
 
 class VTokenCPUModelRunnerV2(VTokenV2Adapter, CPUModelRunner):
