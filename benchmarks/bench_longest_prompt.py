@@ -9,8 +9,8 @@ by the model's positions), a fresh engine (``drivers/harness.py``) with ``max_mo
 + ``--new`` tokens gets one request of that length; the length is served when the request ends
 with all its ``--new`` tokens. The arm stops at its first failure and records the reason (vLLM's
 start-up capacity check, or the request never fitting). Naive-Evict runs under ``decide_on:
-scheduler`` (the worker path refuses ``mode: naive``); ``after`` and ``chunks`` under ``decide_on:
-worker``.
+scheduler`` (as when this result was made; the worker path runs ``mode: naive`` too now); ``after``
+and ``chunks`` under ``decide_on: worker``.
 
 Writes ``benchmarks/results/longest_prompt.json``. Usage::
 

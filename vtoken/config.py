@@ -143,7 +143,7 @@ class VTokenConfig(BaseModel):
         description="where eviction decisions run. scheduler: per request inside vLLM's scheduler (every feature). "
         "worker: the scheduler computes from counts only how many tokens each request evicts, and the worker picks "
         "which, batched in torch, with the policy state next to the KV cache; async scheduling then decides exactly "
-        "as sync; refused (by name) with mode naive and on the CUDA worker (docs/device-decisions.md); with vLLM prefix "
+        "as sync; refused (by name) on the CUDA worker (docs/device-decisions.md); with vLLM prefix "
         "caching a request copies its hit into its own blocks when it starts, or never evicts it where its policy "
         "needs the hit's statistics (prefix_hits)",
     )

@@ -30,7 +30,10 @@ import bench_scheduler as bs  # noqa: E402
 
 from vtoken.integrations.vllm.sched.counts import COLUMN_FIELDS  # noqa: E402
 
-FIGURES = tuple(f for f in COLUMN_FIELDS if f not in ("clean_len", "min_dst_slot", "score_need"))
+# (Naive-Evict's figures come from the worker's dead-block reports under decide_on: worker, and no
+# worker runs here: tests/integration/test_worker_decisions.py checks them against the oracle)
+FIGURES = tuple(f for f in COLUMN_FIELDS if f not in ("clean_len", "min_dst_slot", "score_need", "naive_block_steps",
+                                                      "naive_peak_blocks"))
 STAT_KEYS = ("evicted_tokens", "freed_blocks", "evictions", "request_faults")
 
 
