@@ -21,6 +21,7 @@ from vtoken.config import parse_config, parse_request_overrides
 from drivers.harness import run_in_subprocess
 
 from execution_paths import EXPECTED, path_env
+from test_worker_decisions import _naive_blocks
 
 pytestmark = pytest.mark.engine
 
@@ -85,8 +86,12 @@ def _check(out: dict, reqs: list[dict], oracle) -> None:
     assert out["free_blocks_end"] == out["free_blocks_start"]
     bad = [r["id"] for r in reqs if out["tokens"][r["id"]] != list(oracle(r).token_ids)]
     assert not bad, bad
+    by_id = {r["id"]: r for r in reqs}
     for f in out["vtoken"]["finished"]:
         assert f["evicted"] + f["num_live"] == f["num_logical"]
+        # Naive-Evict's blocks: a logical block is freed once every set (on every TP rank) evicted it
+        want = _naive_blocks(oracle(by_id[f["req_id"].rsplit("-", 1)[0]]), f["num_logical"])
+        assert f["naive_blocks"] == want, (f["req_id"], f["naive_blocks"], want)
 
 
 @pytest.mark.parametrize("path", ["v1-sync", "mrv2-async"])

@@ -355,7 +355,17 @@ class VTokenWorkerCore:
     def take_naive_freed(self) -> Optional[dict[str, int]]:
         """``decide_on: worker``: the step's changed Naive-Evict freed-block counts
         (:meth:`WorkerDecisions.take_naive_freed`), or None."""
-        return None if self.decisions is None else self.decisions.take_naive_freed()
+        if self.decisions is None:
+            return None
+        world = self._tp_world()
+        return self.decisions.take_naive_freed(self._tp_sum if world > 1 else None, world)
+
+    def _tp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a host float64 tensor over the TP group (its CPU process group, as the statistics)."""
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=self._tp.cpu_group)
+        self.reduce_calls += 1
+        self.reduce_bytes += t.numel() * t.element_size()
+        return t
 
     # -------------------------------------------------------------- tensor parallel
     def _tp_world(self) -> int:

@@ -134,8 +134,8 @@ class WorkerDecisions:
         #: granularity) -> float64 [R, S, max live]`` key similarities from the KV cache
         #: (``VTokenWorkerCore.key_similarity_sets``), read right before the group evicts
         self.key_reader: Optional[Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = None
-        #: this step's Naive-Evict figures, per group that evicted: (group, rows, request ids,
-        #: int64 [R] freed blocks on the device), read by :meth:`take_naive_freed`
+        #: the groups that evicted in this step: (group, rows, request ids, rows as a tensor),
+        #: whose Naive-Evict counts :meth:`take_naive_freed` reads
         self._naive: list[tuple[_Group, list[int], list[str], torch.Tensor]] = []
 
     @staticmethod
@@ -252,20 +252,39 @@ class WorkerDecisions:
                              recent_tokens=torch.tensor([s.recent_tokens for s in spec], device=dev),
                              protected_prefix=torch.tensor([s.protected_prefix for s in spec], device=dev))
             out.append((g.granularity, ev.src, ev.dst, ev.sets))
-            self._naive.append((g, rows, rids, g.dec.naive_freed_blocks(rows_t)))
+            self._naive.append((g, rows, rids, rows_t))
         return out
 
-    def take_naive_freed(self) -> Optional[dict[str, int]]:
+    def take_naive_freed(self, tp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                         tp_world: int = 1) -> Optional[dict[str, int]]:
         """Naive-Evict's freed blocks (``DeviceDecider.naive_freed_blocks``) of every request
         whose count changed in this step's eviction, or None: the one figure the worker returns
         to the scheduler (``ModelRunnerOutput.vtoken_naive_freed``), which gives the
         ``vtoken:naive_retained_blocks`` gauge and, under ``mode: naive``, the blocks it keeps.
-        Called after the forward (one host read of ``[R]`` integers per evicting group)."""
+        Called after the forward (one host read of ``[R]`` integers per evicting group).
+
+        Args:
+            tp_sum, tp_world: under tensor parallelism with ``head`` or ``head_shared`` sets each
+                rank holds the sets of its own KV heads, so a block is freed once it is dead on
+                every rank: the per-block eviction counts ``[R, cdiv(max logical, B)]`` are summed
+                over the TP group (``tp_sum``, an all-reduce every rank calls in the same order:
+                the evicting groups and rows come from the same payload) and compared with
+                ``B * sets * tp_world``. Other granularities hold the same sets on every rank.
+        """
         if not self._naive:
             return None
         out: dict[str, int] = {}
-        for g, rows, rids, freed in self._naive:
-            got = freed.cpu().numpy()
+        for g, rows, rids, rows_t in self._naive:
+            dec = g.dec
+            if tp_world > 1 and g.granularity in ("head", "head_shared"):
+                width = -(-int(dec.logical[rows_t].max()) // dec.block_size)
+                have = min(width, dec.dead.shape[1])
+                dead = torch.zeros((len(rows), width), dtype=torch.float64)
+                dead[:, :have] = dec.dead[rows_t, :have].cpu().to(torch.float64)
+                dead = tp_sum(dead)
+                got = (dead == dec.block_size * dec.num_sets * tp_world).sum(1).numpy()
+            else:
+                got = dec.naive_freed_blocks(rows_t).cpu().numpy()
             r = np.asarray(rows, dtype=np.int64)
             changed = np.flatnonzero(got != g.freed[r])
             if len(changed):
