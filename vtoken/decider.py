@@ -32,6 +32,7 @@ This module never imports vllm.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -39,7 +40,16 @@ import torch
 from vtoken.policies.base import EvictionPolicy
 from vtoken.select import global_slots, plan_moves, select_victims
 
-__all__ = ["SideCache", "DeviceDecider", "Eviction"]
+__all__ = ["SideCache", "DeviceDecider", "Eviction", "side_bytes_per_token"]
+
+
+def side_bytes_per_token(policy: EvictionPolicy, num_sets: int = 1) -> int:
+    """Bytes of side-cache state per KV slot that :class:`SideCache` holds for ``policy``: the
+    logical position (int64) plus the policy's fields (:meth:`EvictionPolicy.side_specs`), times
+    ``num_sets``; what :attr:`SideCache.bytes_per_token` reports once it exists."""
+    per_set = 8 + sum(math.prod(lead) * torch.empty((), dtype=dt).element_size()
+                      for lead, dt in policy.side_specs().values())
+    return per_set * int(num_sets)
 
 
 class SideCache:

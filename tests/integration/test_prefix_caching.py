@@ -320,6 +320,21 @@ def test_worker_decisions_copy_the_hit_of_policies_without_prompt_statistics(tin
         assert min(int(e.min()) for e in evicted if len(e)) < 128, r["id"]
 
 
+def test_worker_naive_mode_with_hit_copies(tiny):
+    """``mode: naive`` under ``decide_on: worker`` with prefix caching: the same hit copies and
+    decisions as vToken (tokens equal the same oracle, block digests checked), while the engine
+    holds Naive-Evict's blocks; every block comes back."""
+    vt = dict(WORKER_VT, mode="naive")
+    out = _run(tiny, vt, COPY_PHASES, "v1-sync", digests=True)
+    fin = out["finished"]
+    sharers = [f"K{i}" for i in range(len(COPY_POLICIES))]
+    assert all(out["num_cached_tokens"][r] == 128 and fin[r]["protected"] == 0 for r in sharers)
+    assert all(fin[r]["evicted"] > 0 for r in ["W"] + sharers)
+    assert out["stats"]["request_faults"] == 0 and out["digest_checks"] > 0
+    assert out["free_after_phase"] == [out["free_start"]]
+    _check_against_oracle(tiny, out, COPY_PHASES, WORKER_VT)
+
+
 # The copies of a hit need free blocks in the step that starts the request. W caches the prefix
 # and finishes; Q0 and Q1 (TOVA, budget 64) start in one step, sharing the 4 hit blocks, with 4
 # blocks left free: Q0 copies its hit, Q1 cannot and keeps its hit (protected, as H2O does).

@@ -11,13 +11,15 @@ plugin) follows vLLM's choice (``VllmConfig.use_v2_model_runner``):
   imports at call time) the same way.
 
 Both adapters share :class:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore`
-(moves, offsets, scores); see their modules for the runner seams.
+(moves, offsets, scores); see their modules for the runner seams. Under ``decide_on: worker``
+``determine_available_memory`` counts the side cache against the KV cache's memory.
 """
 
 from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vtoken.integrations.vllm.worker.decisions import reserve_side_cache
 from vtoken.integrations.vllm.worker.runner_v1 import VTokenCPUModelRunner
 from vtoken.integrations.vllm.worker.scoring import StepScores
 
@@ -42,3 +44,15 @@ class VTokenCPUWorker(CPUWorker):
             super().init_device()
         finally:
             mod.CPUModelRunner = orig
+
+    def determine_available_memory(self) -> int:
+        """vLLM's KV-cache bytes, less the side cache of ``decide_on: worker``'s policy, which
+        shadows every KV slot (:func:`~vtoken.integrations.vllm.worker.decisions.reserve_side_cache`:
+        both are sized together and the split is logged)."""
+        available = super().determine_available_memory()
+        specs = list(self.get_kv_cache_spec().values())
+        if not specs:
+            return available
+        kv_per_token = sum(s.page_size_bytes // s.block_size for s in specs)
+        return reserve_side_cache((self.vllm_config.additional_config or {}).get("vtoken"), kv_per_token, len(specs),
+                                  specs[0].num_kv_heads, available, self.cache_config.num_gpu_blocks_override)

@@ -47,11 +47,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from vtoken.decider import DeviceDecider
+from vtoken.decider import DeviceDecider, side_bytes_per_token
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload, WorkerSpec
 from vtoken.policies.base import AttentionNeed
 
-__all__ = ["WorkerDecisions"]
+__all__ = ["WorkerDecisions", "reserve_side_cache"]
 
 logger = logging.getLogger("vllm.vtoken")
 
@@ -60,6 +60,48 @@ def num_sets(granularity: str, num_layers: int, num_kv_heads: int) -> int:
     """Token sets per request for ``granularity`` (``docs/granularity.md``)."""
     return {"request": 1, "layer": num_layers, "head": num_layers * num_kv_heads,
             "head_shared": num_kv_heads}[granularity]
+
+
+def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_layers: int, num_kv_heads: int,
+                       available: int, blocks_override: Optional[int] = None) -> int:
+    """The KV cache's share of ``available`` bytes once the side cache of the engine's policy is
+    counted against it (``decide_on: worker``; ``docs/device-decisions.md``, "Memory").
+
+    The side cache shadows every KV slot (``WorkerDecisions``), so with ``s`` side-cache bytes
+    and ``kv`` K/V bytes per token, ``available`` holds ``available / (kv + s)`` tokens of both:
+    the KV cache gets ``available * kv // (kv + s)`` bytes. Reserved for the engine's own policy
+    and granularity; a request that overrides them (``vtoken_policy``, ``vtoken_granularity``)
+    adds its group's side cache on top, logged when it is made.
+
+    Args:
+        vtoken_cfg: ``additional_config["vtoken"]`` as the plugin normalised it (None: vToken off).
+        kv_bytes_per_token: K/V bytes per token on this worker, all layers (vLLM's KV-cache specs).
+        num_layers, num_kv_heads: this worker's attention layers and KV heads per layer.
+        available: the bytes vLLM would give the KV cache.
+        blocks_override: ``--num-gpu-blocks-override``: the pool size is fixed, so the side cache
+            comes on top of it (logged), and ``available`` is returned unchanged.
+
+    Returns:
+        bytes for the KV cache (``available`` when nothing is reserved).
+    """
+    if not vtoken_cfg or vtoken_cfg.get("decide_on") != "worker" or kv_bytes_per_token <= 0:
+        return available
+    from vtoken.config import VTokenConfig
+
+    cfg = VTokenConfig(**vtoken_cfg)
+    gran = cfg.resolved_granularity()
+    side = side_bytes_per_token(cfg.make_policy(), num_sets(gran, num_layers, num_kv_heads))
+    share = 100.0 * side / kv_bytes_per_token
+    if blocks_override:
+        logger.info("vToken: side cache of policy %s (granularity %s): %d bytes per token (%.2f%% of the KV "
+                    "cache's %d); --num-gpu-blocks-override fixes the pool at %d blocks, so it comes on top",
+                    cfg.policy, gran, side, share, kv_bytes_per_token, blocks_override)
+        return available
+    kv = available * kv_bytes_per_token // (kv_bytes_per_token + side)
+    logger.info("vToken: side cache of policy %s (granularity %s): %d bytes per token (%.2f%% of the KV cache's %d); "
+                "of the %d bytes for the KV cache, %d hold K/V and %d the side cache", cfg.policy, gran, side, share,
+                kv_bytes_per_token, available, kv, available - kv)
+    return kv
 
 
 class _Group:
@@ -116,8 +158,9 @@ class WorkerDecisions:
     Memory: each (policy, granularity) group's side cache holds ``bytes_per_token`` per KV slot
     (8 for the logical position, plus the policy's state: 8 for H2O or TOVA, ``window`` for
     Scissorhands; times the token sets per request),
-    allocated on the first request of that policy and logged with its share of the KV cache. It
-    is not yet taken out of the KV pool's sizing (``docs/device-decisions.md``).
+    allocated on the first request of that policy and logged with its share of the KV cache. The
+    engine's own policy's is counted against the KV cache's memory at start-up
+    (:func:`reserve_side_cache`); a request's other policy or granularity comes on top.
     """
 
     def __init__(self, num_blocks: int, block_size: int, device: torch.device | str, kv_bytes: int = 0,
