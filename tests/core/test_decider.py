@@ -268,3 +268,18 @@ def test_shared_prefix_state_is_read_only_for_the_sharer():
     dec.reset(sharer)
     dec.append(sharer, bt_sharer, torch.tensor([B]))
     assert dec.side.fields["acc"][0, :B].abs().sum() == 0
+
+
+@pytest.mark.parametrize("policy_name", POLICIES)
+@pytest.mark.parametrize("sets", [1, 3])
+def test_side_bytes_per_token_is_what_the_side_cache_holds(policy_name, sets):
+    """The start-up reservation (``side_bytes_per_token``) equals what a made side cache reports,
+    and H2O's is an int64 position plus a float64 accumulator per set."""
+    from vtoken.decider import side_bytes_per_token
+
+    pol = VTokenConfig(policy=policy_name, budget=8,
+                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv") else {})).make_policy()
+    made = SideCache(64, pol.side_specs(), num_sets=sets).bytes_per_token
+    assert side_bytes_per_token(pol, sets) == made
+    if policy_name == "h2o":
+        assert made == 16 * sets
