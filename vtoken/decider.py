@@ -176,7 +176,8 @@ class DeviceDecider:
                            for k, dt in policy.request_specs().items()}
         #: Naive-Evict's accounting (:meth:`naive_freed_blocks`): per request row and logical
         #: block ``p // B``, the (set, token) evictions so far; int32 ``[max_requests, C]``, ``C``
-        #: grown to the widest logical block index evicted (4 bytes per logical block of a request)
+        #: grown (doubling) to the widest logical block index any request evicted: 4 bytes per
+        #: row and logical block of the longest request, not counted in the side cache's bytes
         self.dead = torch.zeros((max_requests, 0), dtype=torch.int32, device=device)
 
     def ensure_rows(self, n: int) -> None:

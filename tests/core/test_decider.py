@@ -283,3 +283,22 @@ def test_side_bytes_per_token_is_what_the_side_cache_holds(policy_name, sets):
     assert side_bytes_per_token(pol, sets) == made
     if policy_name == "h2o":
         assert made == 16 * sets
+
+
+@pytest.mark.parametrize("same_block", [True, False])
+def test_naive_freed_blocks_needs_the_block_dead_in_every_set(same_block):
+    """Two token sets evict 4 tokens each (B = 4) from 12: the same block in both (freed: 1) or
+    different blocks (freed: 0, each set keeps a token of the other's block)."""
+    pol = VTokenConfig(policy="h2o", budget=8, sink_tokens=0, recent_tokens=0).make_policy()
+    dec = DeviceDecider(pol, 16 * B, B, max_requests=3, num_sets=2)
+    rows = torch.tensor([2])
+    dec.reset(rows)
+    bt = torch.arange(4)[None]
+    dec.append(rows, bt, torch.tensor([12]))
+    col = np.ones((1, 2, 12))
+    col[0, 0, 0:4] = 0.0
+    col[0, 1, slice(0, 4) if same_block else slice(4, 8)] = 0.0
+    dec.observe(rows, bt, torch.tensor(col), None)
+    ev = dec.evict(rows, bt, torch.tensor([4]))
+    assert sorted(ev.evicted_pos.tolist()) == sorted(list(range(4)) + (list(range(4)) if same_block else list(range(4, 8))))
+    assert dec.naive_freed_blocks(rows).tolist() == [1 if same_block else 0]

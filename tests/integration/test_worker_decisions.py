@@ -152,7 +152,8 @@ def test_naive_mode_on_the_worker(tiny, oracle, path):
         assert f["mode"] == "naive" and f["naive_blocks"] == _naive_blocks(ref, f["num_logical"]), (r["id"], f)
         # it holds Naive-Evict's blocks (one report late at most), more than vToken's live tokens need
         assert f["avg_blocks"] >= f["naive_avg_blocks"], (r["id"], f)
-        held_more += f["peak_blocks"] > -(-(f["num_live"] + 1) // 32)
+        # at the end Naive-Evict keeps more blocks than vToken's live tokens need (for some requests)
+        held_more += f["naive_blocks"] > -(-(f["num_live"] + 1) // 32)
     assert held_more > 0
 
 

@@ -79,7 +79,7 @@ GAUGES: dict[str, tuple[str, str]] = {
     "vtoken:retained_blocks": ("retained_blocks", "KV-cache blocks held by the requests vToken tracks."),
     "vtoken:naive_retained_blocks": (
         "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions (under "
-        "decide_on: worker from the worker's dead-block counts, one step late)."),
+        "decide_on: worker from the worker's dead-block counts, one step late, two under async scheduling)."),
     "vtoken:dense_blocks": ("dense_blocks", "Sum over tracked requests of ceil(live_tokens / block_size)."),
     "vtoken:evicting_requests": ("num_evicting_requests", "Tracked requests that have evicted at least one token."),
     "vtoken:tokens_above_budget": ("tokens_above_budget",

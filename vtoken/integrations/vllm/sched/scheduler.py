@@ -425,7 +425,7 @@ class VTokenSchedulerMixin:
         count-only eviction (:meth:`_vt_evict_count`); then the stock ``schedule()``; then per
         scheduled request the count of its new tokens, whether it scores, and its lifetime block
         figures (``_vt_after_scheduled`` in counts: no refill, since a preempted request
-        restarts, and no Naive-Evict figures, since the worker keeps the positions). Nothing here
+        restarts; Naive-Evict's figures from the worker's reports, ``CountNaive``). Nothing here
         touches a token.
 
         The per-request integers live in one numpy array, a row per request
@@ -526,7 +526,8 @@ class VTokenSchedulerMixin:
         step's tokens, count decode steps, ask for this step's statistics (``payload.scores``, in
         the scheduled order), detect the end of the prefill (Python, per prefilling request), and
         add the lifetime block figures (blocks held, ``cdiv(logical, B)``). No refill (a preempted
-        request restarts) and no Naive-Evict figures (the worker keeps the positions)."""
+        request restarts), and Naive-Evict's retained blocks ``cdiv(logical, B) - freed`` from the
+        worker's last report (``CountNaive``) with their lifetime figures."""
         if not scheduled:
             return
         keys = list(scheduled)

@@ -361,7 +361,7 @@ class VTokenWorkerCore:
         return self.decisions.take_naive_freed(self._tp_sum if world > 1 else None, world)
 
     def _tp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum a host float64 tensor over the TP group (its CPU process group, as the statistics)."""
+        """Sum a host tensor over the TP group (its CPU process group, as the statistics)."""
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=self._tp.cpu_group)
         self.reduce_calls += 1
         self.reduce_bytes += t.numel() * t.element_size()

@@ -17,7 +17,8 @@ Per step, before any KV write (:meth:`begin`): forget finished and preempted req
 the new ones, evict (select, plan, move the side cache) and return the global slot moves the
 caller applies to every layer's K/V, truncate, take this step's block ids, append this step's
 tokens. After the forward (:meth:`fold`): the step's attention statistics (already summed over
-the TP group) are folded into the side cache; nothing goes back to the scheduler. Every TP rank
+the TP group) are folded into the side cache; no statistic goes back to the scheduler, only
+Naive-Evict's changed freed-block counts (:meth:`take_naive_freed`). Every TP rank
 runs the same deterministic selection on the same statistics, so all ranks hold the same tables.
 
 A preempted request's state is dropped here as in the scheduler: it restarts from its prompt.
@@ -177,8 +178,9 @@ class WorkerDecisions:
         #: granularity) -> float64 [R, S, max live]`` key similarities from the KV cache
         #: (``VTokenWorkerCore.key_similarity_sets``), read right before the group evicts
         self.key_reader: Optional[Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = None
-        #: the groups that evicted in this step: (group, rows, request ids, rows as a tensor),
-        #: whose Naive-Evict counts :meth:`take_naive_freed` reads
+        #: the groups that evicted since :meth:`take_naive_freed` last ran (a step that schedules
+        #: no token never samples, so its entries wait for the next): (group, rows, request
+        #: ids, rows as a tensor), whose Naive-Evict counts :meth:`take_naive_freed` reads
         self._naive: list[tuple[_Group, list[int], list[str], torch.Tensor]] = []
 
     @staticmethod
@@ -212,7 +214,6 @@ class WorkerDecisions:
             slot ids of the K/V moves and the token set of each (``docs/granularity.md``: which
             layers and KV heads a set's moves apply to).
         """
-        self._naive = []
         for rid in scheduler_output.finished_req_ids:
             self._drop(rid)
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -311,21 +312,34 @@ class WorkerDecisions:
                 rank holds the sets of its own KV heads, so a block is freed once it is dead on
                 every rank: the per-block eviction counts ``[R, cdiv(max logical, B)]`` are summed
                 over the TP group (``tp_sum``, an all-reduce every rank calls in the same order:
-                the evicting groups and rows come from the same payload) and compared with
-                ``B * sets * tp_world``. Other granularities hold the same sets on every rank.
+                the evicting groups and rows come from the same payloads: a rank whose rows were
+                dropped since still takes part, with zero rows) as a 0/1 "dead in all of this
+                rank's sets" flag and compared with ``tp_world``. Other granularities hold the same
+                sets on every rank.
         """
         if not self._naive:
             return None
         out: dict[str, int] = {}
-        for g, rows, rids, rows_t in self._naive:
+        pending, self._naive = self._naive, []
+        for g, rows, rids, rows_t in pending:
+            # (a request dropped or restarted since keeps no claim on its old row)
+            keep = [i for i, (rid, row) in enumerate(zip(rids, rows))
+                    if (w := self.where.get(rid)) is not None and w[0] is g and w[1] == row]
+            if len(keep) < len(rows):
+                if not keep and tp_world == 1:
+                    continue
+                rows, rids = [rows[i] for i in keep], [rids[i] for i in keep]
+                rows_t = rows_t[torch.tensor(keep, dtype=torch.int64, device=rows_t.device)]
             dec = g.dec
             if tp_world > 1 and g.granularity in ("head", "head_shared"):
-                width = -(-int(dec.logical[rows_t].max()) // dec.block_size)
+                # per block: 1 where this rank's sets evicted it whole; freed where every rank did
+                # (int32 [R, cdiv(max logical, B)]; a rank's width may differ, so from logical)
+                width = -(-int(dec.logical[rows_t].max()) // dec.block_size) if rows else 0
                 have = min(width, dec.dead.shape[1])
-                dead = torch.zeros((len(rows), width), dtype=torch.float64)
-                dead[:, :have] = dec.dead[rows_t, :have].cpu().to(torch.float64)
-                dead = tp_sum(dead)
-                got = (dead == dec.block_size * dec.num_sets * tp_world).sum(1).numpy()
+                whole = torch.zeros((len(rows), width), dtype=torch.int32)
+                whole[:, :have] = (dec.dead[rows_t, :have] == dec.block_size * dec.num_sets).cpu().to(torch.int32)
+                whole = tp_sum(whole)
+                got = (whole == tp_world).sum(1).numpy()
             else:
                 got = dec.naive_freed_blocks(rows_t).cpu().numpy()
             r = np.asarray(rows, dtype=np.int64)
@@ -333,7 +347,6 @@ class WorkerDecisions:
             if len(changed):
                 g.freed[r[changed]] = got[changed]
                 out.update((rids[i], int(got[i])) for i in changed.tolist())
-        self._naive = []
         return out or None
 
     def _take_block_ids(self, so: Any) -> None:
