@@ -225,19 +225,28 @@ class DeviceDecider:
             t[:, rows] = 0
         self.dead[rows] = 0
 
+    def dead_blocks(self, rows: torch.Tensor) -> torch.Tensor:
+        """Which logical blocks ``b`` (positions ``b*B .. b*B + B-1``) of request ``rows`` (int64
+        ``[R]``) every set has evicted whole (a partly filled last block never is: it has fewer
+        than ``B * num_sets`` evictions).
+
+        Returns:
+            bool ``[R, C]`` (``C``: the table's width, at least the widest evicted block + 1), on
+            the decider's device.
+        """
+        return self.dead[rows] == self.block_size * self.num_sets
+
     def naive_freed_blocks(self, rows: torch.Tensor) -> torch.Tensor:
-        """Naive-Evict's freed blocks of request ``rows`` (int64 ``[R]``): logical blocks ``b``
-        (positions ``b*B .. b*B + B-1``) whose every token every set has evicted. On the
-        append-only layout Naive-Evict frees exactly these (a partly filled last block has fewer
-        than ``B * num_sets`` evictions), so it holds ``cdiv(logical, B) - freed`` blocks, the
-        count :class:`vtoken.repack.NaiveEvictCounter` keeps from the same positions (several
-        sets: a block is freed once it is dead in all of them, the union of what they keep).
+        """Naive-Evict's freed blocks of request ``rows`` (int64 ``[R]``): the count of
+        :meth:`dead_blocks`. On the append-only layout Naive-Evict frees exactly these, so it
+        holds ``cdiv(logical, B) - freed`` blocks, the count :class:`vtoken.repack.NaiveEvictCounter`
+        keeps from the same positions (several sets: a block is freed once it is dead in all of
+        them, the union of what they keep).
 
         Returns:
             int64 ``[R]``, on the decider's device.
         """
-        full = self.block_size * self.num_sets
-        return (self.dead[rows] == full).sum(1, dtype=torch.int64)
+        return self.dead_blocks(rows).sum(1, dtype=torch.int64)
 
     def share_prefix(self, rows: torch.Tensor, n: torch.Tensor | int) -> None:
         """Mark the first ``n`` slots of request ``rows`` (int64 ``[R]``; ``n`` int or ``[R]``,

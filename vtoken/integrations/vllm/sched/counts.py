@@ -267,11 +267,6 @@ class CountNaive:
         return self._st.table.num_logical
 
     @property
-    def num_freed_blocks(self) -> int:
-        st = self._st
-        return int(st._cols.data[NAIVE_FREED, st._row])
-
-    @property
     def num_retained_blocks(self) -> int:
         st = self._st
         d = st._cols.data

@@ -130,7 +130,7 @@ class VTokenSchedulerMixin:
         #: decide_on: worker, mode naive: requests whose Naive-Evict count the worker lowered
         #: since the last schedule() (their released tail blocks go back to the pool in the next)
         self._vt_naive_pending: set[str] = set()
-        #: decide_on: worker, hit copies made in this step (_vt_copy_hit), rid -> unshare entries
+        #: decide_on: worker: hit copies made in this step (_vt_copy_hit), rid -> unshare entries
         self._vt_hit_copies: dict[str, list[tuple[int, int, int]]] = {}
         #: decide_on: worker: the states' per-request integers (sched/counts.py) and each state's row
         self._vt_cols = CountColumns()

@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from vtoken.config import VTokenConfig
 from vtoken.decider import DeviceDecider, side_bytes_per_token
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload, WorkerSpec
 from vtoken.policies.base import AttentionNeed
@@ -87,8 +88,6 @@ def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_
     """
     if not vtoken_cfg or vtoken_cfg.get("decide_on") != "worker" or kv_bytes_per_token <= 0:
         return available
-    from vtoken.config import VTokenConfig
-
     cfg = VTokenConfig(**vtoken_cfg)
     gran = cfg.resolved_granularity()
     side = side_bytes_per_token(cfg.make_policy(), num_sets(gran, num_layers, num_kv_heads))
@@ -310,12 +309,12 @@ class WorkerDecisions:
         Args:
             tp_sum, tp_world: under tensor parallelism with ``head`` or ``head_shared`` sets each
                 rank holds the sets of its own KV heads, so a block is freed once it is dead on
-                every rank: the per-block eviction counts ``[R, cdiv(max logical, B)]`` are summed
-                over the TP group (``tp_sum``, an all-reduce every rank calls in the same order:
-                the evicting groups and rows come from the same payloads: a rank whose rows were
-                dropped since still takes part, with zero rows) as a 0/1 "dead in all of this
-                rank's sets" flag and compared with ``tp_world``. Other granularities hold the same
-                sets on every rank.
+                every rank. Each rank's 0/1 "dead in all my sets" flags (int32
+                ``[R, cdiv(max logical, B)]``, :meth:`DeviceDecider.dead_blocks`) are summed over
+                the TP group with ``tp_sum`` and compared with ``tp_world``. Every rank calls it
+                in the same order, since the evicting groups and rows come from the same payloads
+                (a group whose rows were all dropped since still takes part, with zero rows).
+                Other granularities hold the same sets on every rank.
         """
         if not self._naive:
             return None
@@ -337,7 +336,7 @@ class WorkerDecisions:
                 width = -(-int(dec.logical[rows_t].max()) // dec.block_size) if rows else 0
                 have = min(width, dec.dead.shape[1])
                 whole = torch.zeros((len(rows), width), dtype=torch.int32)
-                whole[:, :have] = (dec.dead[rows_t, :have] == dec.block_size * dec.num_sets).cpu().to(torch.int32)
+                whole[:, :have] = dec.dead_blocks(rows_t)[:, :have].cpu().to(torch.int32)
                 whole = tp_sum(whole)
                 got = (whole == tp_world).sum(1).numpy()
             else:
