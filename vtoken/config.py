@@ -210,16 +210,17 @@ class VTokenConfig(BaseModel):
             raise ValueError(msg) from None
         from vtoken.policies.base import AttentionNeed
 
-        if get_policy_needs(self.policy) & AttentionNeed.KEY_NORM:
+        if get_policy_needs(self.policy) & (AttentionNeed.KEY_NORM | AttentionNeed.QUERY_MOMENTS):
             if self.decide_on != "worker":
                 raise ValueError(
-                    f"vtoken.policy = {self.policy!r} scores keys as they are written, on the worker: it needs "
+                    f"vtoken.policy = {self.policy!r} records what each step's forward computes (keys, queries), on the worker: it needs "
                     f"vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with decide_on scheduler: a policy "
                     "that scores from attention or from positions (h2o, tova, scissorhands, streaming, random)")
             if self.score_every != 1:
                 raise ValueError(
-                    f"vtoken.score_every = {self.score_every} with vtoken.policy = {self.policy!r}: a key-only policy "
-                    "records each key's norm in the step that writes it, so every step is scored; allowed: 1")
+                    f"vtoken.score_every = {self.score_every} with vtoken.policy = {self.policy!r}: the policy "
+                    "records each key's norm (knorm) or each query (expected_attention) in the step that computes "
+                    "it, so every step is scored; allowed: 1")
         if get_policy_needs(self.policy) & AttentionNeed.WINDOW and self.decide_on != "worker":
             raise ValueError(
                 f"vtoken.policy = {self.policy!r} scores from its observation window (the last queries of the prompt), "

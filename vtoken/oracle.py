@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["OracleResult", "oracle_generate", "load_oracle_model", "attention_stats", "attention_stats_sets",
            "key_norm_sets",
-           "key_sim_sets",
+           "key_sim_sets", "expected_attention_sets", "QueryMoments",
            "GRANULARITIES", "set_index_map"]
 
 #: the token-set granularities, ``docs/granularity.md``
@@ -329,6 +329,113 @@ def key_sim_sets(cache, granularity: str) -> list[np.ndarray]:
         raise ValueError(f"key_sim_sets: granularity = {granularity!r}; allowed: {list(GRANULARITIES)}")
     sim = torch.stack([key_similarity(layer.keys[0:1], torch.tensor([layer.keys.shape[2]], device=layer.keys.device))[0]
                        .cpu() for layer in cache.layers])  # [L, Hkv, T]
+    return _stat_sets(sim, granularity)
+
+
+class QueryMoments:
+    """Expected Attention's query statistics in the oracle: per layer and query head, the sums of
+    the pre-RoPE queries and of their outer products (the **full** ``D x D`` second moment; the
+    engine keeps RoPE pairs only), from a forward hook on each layer's ``self_attn.q_proj``
+    (pre-RoPE by construction), queries at logical positions below ``QUERY_SKIP`` left out.
+
+    Raises:
+        ValueError: the model has no ``self_attn.q_proj`` modules.
+    """
+
+    def __init__(self, model):
+        self.projs = [m for name, m in model.named_modules() if name.endswith("self_attn.q_proj")]
+        if not self.projs:
+            raise ValueError("oracle_generate: expected_attention needs the model's self_attn.q_proj modules")
+        cfg = model.config
+        self.hq = int(cfg.num_attention_heads)
+        self.d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.captured: list[Optional[torch.Tensor]] = [None] * len(self.projs)
+        self.qsum = torch.zeros(len(self.projs), self.hq, self.d, dtype=torch.float64)
+        self.qouter = torch.zeros(len(self.projs), self.hq, self.d, self.d, dtype=torch.float64)
+        self.count = 0
+        self.hooks = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.projs)]
+
+    def _hook(self, i: int):
+        def fn(_mod, _inp, out):
+            self.captured[i] = out.detach()
+        return fn
+
+    def add(self, positions: np.ndarray) -> None:
+        """Fold the queries of the forward that just ran (tokens at ``positions``, int64 ``[q]``)."""
+        from vtoken.policies.expected_attention import QUERY_SKIP
+
+        keep = torch.from_numpy(positions >= QUERY_SKIP)
+        for i, out in enumerate(self.captured):
+            q = out[0].reshape(-1, self.hq, self.d).to(torch.float64).cpu()[keep]  # [q', Hq, D]
+            self.qsum[i] += q.sum(dim=0)
+            self.qouter[i] += torch.einsum("thd,the->hde", q, q)
+        self.count += int(keep.sum())
+        self.captured = [None] * len(self.projs)
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def expected_attention_sets(cache, model, moments: QueryMoments, start: int, n_future: int,
+                            granularity: str) -> list[np.ndarray]:
+    """Expected Attention's statistic from the oracle's cache, per token set (reduced as
+    :func:`key_sim_sets`), computed the long way: RoPE's averaged rotation as a ``D x D`` matrix
+    from the model's own ``rotary_emb`` (``x cos + rotate_half(x) sin`` at each of the positions
+    ``start .. start + n_future - 1`` below ``max_position_embeddings``), the full covariance
+    ``R S R^T`` masked to RoPE's 2x2 pair blocks (the departure the engine makes by keeping only
+    those), ``softmax(k . mu' / sqrt(D) + k^T S' k / (2 D))`` over the live keys per query head,
+    averaged over each KV head's query heads, times ``|v|``.
+
+    Args:
+        cache: the oracle's ``DynamicCache`` (per layer keys and values ``[1, Hkv, T, D]``).
+        model: the ``transformers`` model (its ``model.rotary_emb`` and config).
+        moments: the request's :class:`QueryMoments`.
+        start: the request's next logical position.
+        n_future: positions averaged over.
+        granularity: as :func:`key_sim_sets`.
+
+    Returns:
+        per set, float64 ``[T]``.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"expected_attention_sets: granularity = {granularity!r}; allowed: {list(GRANULARITIES)}")
+    d, hq = moments.d, moments.hq
+    h = d // 2
+    max_pos = int(model.config.max_position_embeddings)
+    pos = torch.arange(start, min(start + n_future, max_pos))
+    dev = next(model.parameters()).device
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32, device=dev), pos[None].to(dev))
+    cos_bar, sin_bar = cos[0].to(torch.float64).cpu().mean(dim=0), sin[0].to(torch.float64).cpu().mean(dim=0)  # [D]
+    if len(pos) == 0:
+        cos_bar, sin_bar = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+    rot_half = torch.zeros(d, d, dtype=torch.float64)  # rotate_half(x) = [-x2, x1] as a matrix
+    rot_half[torch.arange(h), torch.arange(h) + h] = -1.0
+    rot_half[torch.arange(h) + h, torch.arange(h)] = 1.0
+    r_bar = torch.diag(cos_bar) + torch.diag(sin_bar) @ rot_half  # mean of R(p) = diag(cos) + diag(sin) P
+    idx = torch.arange(d)
+    pair_mask = ((idx[:, None] % h) == (idx[None, :] % h)).to(torch.float64)
+    cnt = max(moments.count, 1)
+    out = []
+    for i, layer in enumerate(cache.layers):
+        k = layer.keys[0].to(torch.float64).cpu()  # [Hkv, T, D]
+        v = layer.values[0].to(torch.float64).cpu()
+        hkv = k.shape[0]
+        g = hq // hkv
+        mu = moments.qsum[i] / cnt  # [Hq, D]
+        cov = moments.qouter[i] / cnt - torch.einsum("hd,he->hde", mu, mu)
+        mu2 = mu @ r_bar.T
+        cov2 = (r_bar @ cov @ r_bar.T) * pair_mask
+        kk = k.repeat_interleave(g, dim=0)  # [Hq, T, D]: query head j reads KV head j // g
+        logits = (torch.einsum("htd,hd->ht", kk, mu2) / np.sqrt(d)
+                  + torch.einsum("htd,hde,hte->ht", kk, cov2, kk) / (2 * d))
+        p = torch.softmax(logits, dim=-1).view(hkv, g, -1).mean(dim=1)  # [Hkv, T]
+        out.append(p * v.norm(dim=-1))
+    return _stat_sets(torch.stack(out), granularity)
+
+
+def _stat_sets(sim: torch.Tensor, granularity: str) -> list[np.ndarray]:
+    """Per-(layer, KV head) statistics ``[L, Hkv, T]`` -> per set (:func:`key_sim_sets`' rules)."""
     L, H = sim.shape[:2]
     if granularity == "head":
         return [sim[l_, g].numpy() for l_ in range(L) for g in range(H)]
@@ -544,6 +651,8 @@ def oracle_generate(
     empty = np.zeros(0, dtype=np.int64)
     res_prefill_evicted: list[np.ndarray] = []
 
+    qmom = QueryMoments(model) if policy_on and need & AttentionNeed.QUERY_MOMENTS else None
+
     def view_of(s: int) -> TokenView:
         return TokenView(logical_pos=pos[s].copy(), num_logical=num_logical, prompt_len=P,
                          protected_prefix=protected_prefix)
@@ -563,6 +672,8 @@ def oracle_generate(
         )
         if _cache_len(cache) != n_before + q:  # pragma: no cover - a transformers change
             raise RuntimeError("oracle_generate: the cache did not grow by the step's tokens")
+        if qmom is not None:  # every forward's queries (score_every is 1 for this policy)
+            qmom.add(positions)
         if states and (want_attn or (scored and need & AttentionNeed.KEY_NORM)):
             stats = (attention_stats_sets(out.attentions, need, granularity, num_kv_heads,
                                           getattr(policy, "window", None)) if want_attn
@@ -605,8 +716,10 @@ def oracle_generate(
         """Evict up to ``k`` of the ``n`` live tokens in every token set (the same count in each);
         returns each set's evicted logical positions."""
         evicted = [empty] * S
-        if policy.eviction_keys:  # KeyDiff: the cached keys, now
-            for s, sim in enumerate(key_sim_sets(cache, granularity)):
+        if policy.eviction_keys:  # KeyDiff, Expected Attention: the cached keys, now
+            sims = (expected_attention_sets(cache, model, qmom, num_logical, policy.n_future, granularity)
+                    if qmom is not None else key_sim_sets(cache, granularity))
+            for s, sim in enumerate(sims):
                 policy.observe(states[s], n, AttentionStats(key_sim=sim), view_of(s))
         victims = [select(s, k) for s in range(S)]
         counts = sorted({len(v) for v in victims})
@@ -711,6 +824,8 @@ def oracle_generate(
         else:
             if not ignore_eos and tok in eos_set:
                 stop_reason = "eos"
+    if qmom is not None:
+        qmom.close()
 
     return OracleResult(
         token_ids=out_tokens,

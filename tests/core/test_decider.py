@@ -17,7 +17,7 @@ from vtoken.repack import NaiveEvictCounter
 from vtoken.token_table import TokenTable
 
 B = 4
-POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm", "keydiff", "snapkv"]
+POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm", "keydiff", "snapkv", "expected_attention"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -54,7 +54,7 @@ def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, wind
     rng = np.random.default_rng(seed)
     cfg = VTokenConfig(policy=policy_name, budget=budget, seed=seed % 7,
                        **({"policy_args": {"window": window}} if policy_name == "scissorhands" else {}),
-                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv") else {}))
+                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv", "expected_attention") else {}))
     pol = cfg.make_policy()
     sinks, recent = cfg.protections()
     max_blocks = max(16, 2 * budget // B + 8)
@@ -278,7 +278,7 @@ def test_side_bytes_per_token_is_what_the_side_cache_holds(policy_name, sets):
     from vtoken.decider import side_bytes_per_token
 
     pol = VTokenConfig(policy=policy_name, budget=8,
-                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv") else {})).make_policy()
+                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv", "expected_attention") else {})).make_policy()
     made = SideCache(64, pol.side_specs(), num_sets=sets).bytes_per_token
     assert side_bytes_per_token(pol, sets) == made
     if policy_name == "h2o":

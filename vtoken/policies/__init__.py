@@ -34,6 +34,7 @@ _BUILTIN = {
     "knorm": "vtoken.policies.knorm:KNormPolicy",
     "keydiff": "vtoken.policies.keydiff:KeyDiffPolicy",
     "snapkv": "vtoken.policies.snapkv:SnapKVPolicy",
+    "expected_attention": "vtoken.policies.expected_attention:ExpectedAttentionPolicy",
 }
 
 

@@ -61,6 +61,9 @@ class AttentionNeed(enum.Flag):
     #: ``COL_SUM`` over the step's last ``policy.window`` query rows only (SnapKV's observation
     #: window; ``decide_on: worker`` only: the worker reads the window from the request's policy)
     WINDOW = enum.auto()
+    #: the running moments of each request's pre-RoPE queries, per (layer, query head), added in
+    #: every step's forward (Expected Attention; ``decide_on: worker`` only)
+    QUERY_MOMENTS = enum.auto()
 
 
 @dataclass
@@ -78,10 +81,11 @@ class AttentionStats:
             step (post-RoPE; RoPE is a rotation, so the norm is the pre-RoPE one), averaged over
             the (layer, KV head) pairs of the token set; ``NaN`` for every other slot. None when
             not requested.
-        key_sim: float64 ``[num_keys]``: for a policy with ``eviction_keys`` (KeyDiff), each live
-            slot's cosine similarity to its head's anchor, computed from the cached keys right
-            before an eviction (``vtoken.policies.keydiff.key_similarity``), averaged over the
-            token set's (layer, KV head) pairs. None otherwise.
+        key_sim: float64 ``[num_keys]``: for a policy with ``eviction_keys``, each live slot's
+            statistic computed from the cached keys right before an eviction, averaged over the
+            token set's (layer, KV head) pairs: KeyDiff's cosine similarity to its head's anchor
+            (``vtoken.policies.keydiff.key_similarity``), Expected Attention's expected attention
+            (``vtoken.policies.expected_attention.expected_attention``). None otherwise.
     """
 
     col_sum: Optional[np.ndarray] = None
@@ -202,7 +206,8 @@ class EvictionPolicy(ABC):
     name: ClassVar[str] = "base"
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
     #: True: the policy scores from the cached keys right before each eviction
-    #: (``AttentionStats.key_sim``, set on the worker under ``decide_on: worker``; KeyDiff)
+    #: (``AttentionStats.key_sim``, set on the worker under ``decide_on: worker``; KeyDiff,
+    #: Expected Attention)
     eviction_keys: ClassVar[bool] = False
     #: True: :meth:`observe_batched` needs each slot's logical position (``fields["pos"]``,
     #: int64 ``[rows, N]``; SnapKV pools in logical order)

@@ -85,6 +85,10 @@ class VTokenWorkerCore:
         self.decisions: Optional[WorkerDecisions] = None
         #: prefix caching: cached blocks copied into private ones (:meth:`copy_blocks`)
         self.copied_blocks = 0
+        #: the model's RoPE (:meth:`find_rope`): ``(cos_sin [max_position, D], a, b)``, or None
+        self.rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        #: why :attr:`rope` is None (Expected Attention cannot run), or None
+        self.rope_missing: Optional[str] = "the model was not loaded"
 
     # -------------------------------------------------------------- set-up
     def check_layers(self, model_name: str) -> None:
@@ -97,6 +101,51 @@ class VTokenWorkerCore:
         from vtoken.integrations.vllm.frontend.refusals import check_attention_layers
 
         check_attention_layers(model_name, self.forward_context)
+
+    def find_rope(self, model: Any, policy: Optional[str] = None) -> None:
+        """Find the model's rotary embedding (vLLM's ``RotaryEmbedding``: its ``cos_sin_cache``,
+        ``is_neox_style``, ``rotary_dim``, ``head_size``), which Expected Attention needs to
+        un-rotate queries and to rotate their moments to future positions (:attr:`rope`).
+
+        Args:
+            model: the runner's loaded model.
+            policy: the engine's ``vtoken.policy``; ``expected_attention`` makes a model without
+                a plain RoPE an error at start-up.
+
+        Raises:
+            VTokenConfigError: ``policy`` is ``expected_attention`` and the model has no RoPE, a
+                partial one (``rotary_dim < head_size``), a scaled kind other than Llama 3's, or
+                layers with different RoPEs.
+        """
+        found: dict[int, Any] = {}
+        for mod in model.modules():
+            if all(hasattr(mod, a) for a in ("cos_sin_cache", "is_neox_style", "rotary_dim", "head_size")):
+                found.setdefault(id(mod), mod)
+        mods = list(found.values())
+        self.rope, self.rope_missing = None, None
+        if not mods:
+            self.rope_missing = "the model has no rotary position embedding"
+        elif any(type(m).__name__ not in ("RotaryEmbedding", "Llama3RotaryEmbedding") for m in mods):
+            self.rope_missing = (f"its rotary embedding is {sorted({type(m).__name__ for m in mods})}; allowed: "
+                                 "RotaryEmbedding, Llama3RotaryEmbedding")
+        elif any(m.rotary_dim != m.head_size for m in mods):
+            self.rope_missing = "its rotary embedding covers part of each head (rotary_dim < head_size)"
+        elif len({(m.is_neox_style, tuple(m.cos_sin_cache.shape)) for m in mods}) != 1 or not all(
+                torch.equal(mods[0].cos_sin_cache, m.cos_sin_cache) for m in mods[1:]):
+            self.rope_missing = "its layers use different rotary embeddings"
+        else:
+            from vtoken.policies.expected_attention import rope_pairs
+
+            m = mods[0]
+            a, b = rope_pairs(int(m.head_size), bool(m.is_neox_style))
+            dev = m.cos_sin_cache.device
+            self.rope = (m.cos_sin_cache, a.to(dev), b.to(dev))
+        if self.rope is None and policy == "expected_attention":
+            from vtoken.config import VTokenConfigError
+
+            raise VTokenConfigError(
+                f"vtoken.policy = 'expected_attention' cannot run on this model: {self.rope_missing}; allowed: a model "
+                "with one full rotary position embedding (Llama-style), or another policy (e.g. keydiff, knorm)")
 
     def wrap_attention(self) -> int:
         """Wrap each attention impl's ``forward`` (per instance) to feed :attr:`step`; returns the count."""
@@ -113,7 +162,7 @@ class VTokenWorkerCore:
                 st = core.step
                 if st is not None and attn_metadata is not None and kv_cache.numel() > 0:
                     st.accumulate(_impl, query, kv_cache, attn_metadata, core.layout_for(lyr, kv_cache),
-                                  layer_index=core.layer_index(kv_cache) if st.grans or st.needs_keys else None,
+                                  layer_index=core.layer_index(kv_cache) if st.grans or st.needs_keys or st.moment_rows else None,
                                   key=key)
                 return res
 
@@ -155,7 +204,7 @@ class VTokenWorkerCore:
             self.decisions = WorkerDecisions(kv.shape[0], kv.shape[2], kv.device,
                                              kv_bytes=sum(t.numel() * t.element_size() for t, _ in caches),
                                              num_layers=len(caches), num_kv_heads=kv.shape[1])
-            self.decisions.key_reader = self.key_similarity_sets
+            self.decisions.key_reader = self.eviction_key_stats
         if payload is not None and payload.unshare:
             self.copy_blocks(payload.unshare)
         if self.decisions is not None and scheduler_output is not None:
@@ -242,16 +291,79 @@ class VTokenWorkerCore:
         """
         from vtoken.policies.keydiff import key_similarity
 
+        keys, _ = self._read_live(table, live, values=False)  # [R, L*Hkv, n, hd]
+        r, nl, hk, n = keys.shape[0], len(self.kv_caches()), keys.shape[1] // len(self.kv_caches()), keys.shape[2]
+        # one batched similarity over every layer's heads (not one small op chain per layer)
+        sims = key_similarity(keys, live.to(keys.device)).view(r, nl, hk, n).to(table.device)  # [R, L, Hkv, n]
+        return self._key_stat_sets(sims, gran, table.device)
+
+    def expected_attention_sets(self, table: torch.Tensor, live: torch.Tensor, gran: str,
+                                moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor], start: torch.Tensor,
+                                n_future: int) -> torch.Tensor:
+        """Expected Attention's statistic for the requests about to evict: per token set, each live
+        slot's expected attention (:func:`vtoken.policies.expected_attention.expected_attention`)
+        from the keys and values in the KV cache (one batched read of each per layer) and the
+        requests' query moments.
+
+        Args:
+            table, live, gran: as :meth:`key_similarity_sets` (sets reduce the same way).
+            moments: float64 ``(qsum [R, L, Hq, D], qpair [R, L, Hq, D/2, 3], count [R])``, this
+                rank's query heads (``WorkerDecisions``).
+            start: int64 ``[R]``: each request's next logical position.
+            n_future: positions the RoPE rotation is averaged over.
+
+        Returns:
+            float64 ``[R, S, max(live)]``; ``NaN`` past each request's live count.
+
+        Raises:
+            RuntimeError: the model has no usable RoPE (:meth:`find_rope`).
+        """
+        from vtoken.policies.expected_attention import expected_attention, future_rotation
+
+        if self.rope is None:
+            raise RuntimeError(f"vToken: policy 'expected_attention' cannot run on this model: {self.rope_missing}")
+        cos_sin, a, b = self.rope
+        keys, vals = self._read_live(table, live, values=True)  # [R, L*Hkv, n, hd] each
+        nl = len(self.kv_caches())
+        r, n = keys.shape[0], keys.shape[2]
+        hk = keys.shape[1] // nl
+        qsum, qpair, count = (t.to(keys.device) for t in moments)
+        cb, sb = future_rotation(cos_sin, start.to(cos_sin.device), n_future)
+        dev = keys.device
+        ea = expected_attention(keys, live.to(dev), qsum.reshape(r, -1, qsum.shape[-1]),
+                                qpair.reshape(r, -1, *qpair.shape[-2:]), count, cb.to(dev), sb.to(dev),
+                                a.to(dev), b.to(dev), vnorm=torch.linalg.vector_norm(vals, dim=-1))
+        return self._key_stat_sets(ea.view(r, nl, hk, n).to(table.device), gran, table.device)
+
+    def eviction_key_stats(self, policy: Any, table: torch.Tensor, live: torch.Tensor, gran: str,
+                           moments: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                           start: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The eviction-time statistic of a policy with ``eviction_keys``
+        (``WorkerDecisions.key_reader``): :meth:`expected_attention_sets` for a policy that needs
+        ``AttentionNeed.QUERY_MOMENTS``, else KeyDiff's :meth:`key_similarity_sets`."""
+        if policy.needs & AttentionNeed.QUERY_MOMENTS:
+            return self.expected_attention_sets(table, live, gran, moments, start, policy.n_future)
+        return self.key_similarity_sets(table, live, gran)
+
+    def _read_live(self, table: torch.Tensor, live: torch.Tensor, values: bool
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Keys (and values) of each request's live slots in every layer: float32
+        ``[R, L * Hkv, max(live), hd]`` (layer-major), one batched read per layer."""
         caches = self.kv_caches()
         bs = caches[0][0].shape[2]
         n = int(live.max()) if live.numel() else 0
         cols = torch.arange(n, device=table.device)
         blocks = table.gather(1, (cols // bs)[None, :].expand(table.shape[0], n).clamp(max=table.shape[1] - 1))
         offsets = cols % bs
-        keys = torch.cat([lay.gather_keys_batched(kv, blocks, offsets) for kv, lay in caches], dim=1)  # [R, L*Hkv, n, hd]
-        r, nl, hk = keys.shape[0], len(caches), keys.shape[1] // len(caches)
-        # one batched similarity over every layer's heads (not one small op chain per layer)
-        sims = key_similarity(keys, live.to(keys.device)).view(r, nl, hk, n).to(table.device)  # [R, L, Hkv, n]
+        keys = torch.cat([lay.gather_keys_batched(kv, blocks, offsets) for kv, lay in caches], dim=1)
+        vals = (torch.cat([lay.gather_values_batched(kv, blocks, offsets) for kv, lay in caches], dim=1)
+                if values else None)
+        return keys, vals
+
+    def _key_stat_sets(self, sims: torch.Tensor, gran: str, device) -> torch.Tensor:
+        """Per-(layer, KV head) statistics float64 ``[R, L, Hkv, n]`` -> the token sets' ``[R, S, n]``
+        (:meth:`key_similarity_sets`' rules, the TP all-reduce of ``layer`` / ``request`` sets included)."""
+        r, nl, hk, n = sims.shape
         if gran == "head":
             return sims.reshape(r, nl * hk, n)
         if gran == "head_shared":
@@ -263,7 +375,7 @@ class VTokenWorkerCore:
             torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self._tp.cpu_group)
             self.reduce_calls += 1
             self.reduce_bytes += flat.numel() * flat.element_size()
-            tot, heads = flat[:-1].reshape(tot.shape).to(table.device), float(flat[-1])
+            tot, heads = flat[:-1].reshape(tot.shape).to(device), float(flat[-1])
         per_layer = tot / heads
         if gran == "layer":
             return per_layer
@@ -319,8 +431,11 @@ class VTokenWorkerCore:
         return (torch.from_numpy(np.concatenate(idx)), torch.from_numpy(np.concatenate(pos)),
                 torch.from_numpy(np.concatenate(ids)))
 
-    def start_scoring(self, req_ids: list[str]) -> None:
-        """Arm :attr:`step` for the rows of this batch that asked for scores (batch order)."""
+    def start_scoring(self, req_ids: list[str], positions: Optional[torch.Tensor] = None) -> None:
+        """Arm :attr:`step` for the rows of this batch that asked for scores (batch order).
+
+        ``positions``: the step's logical (RoPE) positions, ``[>= num_tokens]`` in batch order;
+        needed when a row asks for ``AttentionNeed.QUERY_MOMENTS`` (Expected Attention)."""
         self.step = None
         if self.score_reqs:
             rows = [(i, r, self.score_reqs[r]) for i, r in enumerate(req_ids) if r in self.score_reqs]
@@ -330,7 +445,13 @@ class VTokenWorkerCore:
                     grans = {r: g for _, r, _ in rows if (g := self.decisions.granularity(r)) != "request"} or None
                     windows = {r: w for _, r, need in rows if need & AttentionNeed.WINDOW.value
                                and (w := self.decisions.window(r)) is not None} or None
-                self.step = StepScores(rows, grans=grans, windows=windows)
+                rope = None
+                if any(need & AttentionNeed.QUERY_MOMENTS.value for _, _, need in rows):
+                    if self.rope is None or positions is None:
+                        raise RuntimeError("vToken: policy 'expected_attention' cannot run here: "
+                                           f"{self.rope_missing or 'the runner gave no positions'}")
+                    rope = (self.rope, positions)
+                self.step = StepScores(rows, grans=grans, windows=windows, rope=rope)
 
     def take_scores(self) -> Optional[ScoreMap]:
         """The step's statistics (req_id -> (col_sum, last_row)), or None; disarms :attr:`step`.
@@ -341,6 +462,8 @@ class VTokenWorkerCore:
         """
         st, self.step = self.step, None
         wanted, self.score_reqs = self.score_reqs, {}
+        if st is not None and st.moment_rows and self.decisions is not None:
+            self.decisions.fold_moments(*st.take_moments())  # this rank's own query heads
         if wanted and self._tp_world() > 1:
             res = self._reduce_over_tp(st) or None
         elif st is None:

@@ -116,6 +116,10 @@ class _Group:
         self.bt = np.zeros((16, 16), dtype=np.int64)  # row -> block ids (a prefix of nblocks[row])
         self.nblocks = np.zeros(16, dtype=np.int64)
         self.freed = np.zeros(16, dtype=np.int64)  # row -> Naive-Evict's freed blocks last reported
+        #: Expected Attention: per row the query moments (:meth:`add_moments`): float64
+        #: ``qsum [rows, L, Hq, D]``, ``qpair [rows, L, Hq, D/2, 3]`` and int64 ``count [rows]``,
+        #: made on the first fold (this rank's query heads)
+        self.moments: Optional[list[torch.Tensor]] = None
 
     def add(self) -> int:
         if not self.free:
@@ -124,12 +128,28 @@ class _Group:
             self.bt = np.concatenate([self.bt, np.zeros_like(self.bt)])
             self.nblocks = np.concatenate([self.nblocks, np.zeros_like(self.nblocks)])
             self.freed = np.concatenate([self.freed, np.zeros_like(self.freed)])
+            if self.moments is not None:
+                self.moments = [torch.cat([t, torch.zeros_like(t)]) for t in self.moments]
             self.free = list(range(2 * n - 1, n - 1, -1))
         row = self.free.pop()
         self.nblocks[row] = 0
         self.freed[row] = 0
+        if self.moments is not None:
+            for t in self.moments:
+                t[row] = 0
         self.dec.reset(torch.tensor([row], device=self.dec.live.device))
         return row
+
+    def add_moments(self, rows: torch.Tensor, qsum: torch.Tensor, qpair: torch.Tensor, count: torch.Tensor) -> None:
+        """Add a step's query moments (``StepScores.take_moments``) to rows ``rows`` (int64 ``[R]``)."""
+        if self.moments is None:
+            n = self.bt.shape[0]
+            dev = self.dec.live.device
+            self.moments = [torch.zeros(n, *qsum.shape[1:], dtype=torch.float64, device=dev),
+                            torch.zeros(n, *qpair.shape[1:], dtype=torch.float64, device=dev),
+                            torch.zeros(n, dtype=torch.int64, device=dev)]
+        for t, x in zip(self.moments, (qsum, qpair, count)):
+            t.index_add_(0, rows, x.to(t.device, t.dtype))
 
     def set_blocks(self, row: int, ids: list[int], append: bool) -> None:
         start = int(self.nblocks[row]) if append else 0
@@ -173,10 +193,11 @@ class WorkerDecisions:
         self.device = device
         self.groups: dict[str, _Group] = {}
         self.where: dict[str, tuple[_Group, int, WorkerSpec]] = {}  # req_id -> (group, row, spec)
-        #: for a policy with ``eviction_keys`` (KeyDiff): ``(block_table [R, nblk], live [R],
-        #: granularity) -> float64 [R, S, max live]`` key similarities from the KV cache
-        #: (``VTokenWorkerCore.key_similarity_sets``), read right before the group evicts
-        self.key_reader: Optional[Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = None
+        #: for a policy with ``eviction_keys`` (KeyDiff, Expected Attention): ``(policy,
+        #: block_table [R, nblk], live [R], granularity, moments=, start=) -> float64
+        #: [R, S, max live]``, the policy's statistic from the KV cache
+        #: (``VTokenWorkerCore.eviction_key_stats``), read right before the group evicts
+        self.key_reader: Optional[Callable[..., torch.Tensor]] = None
         #: the groups that evicted since :meth:`take_naive_freed` last ran (a step that schedules
         #: no token never samples, so its entries wait for the next): (group, rows, request
         #: ids, rows as a tensor), whose Naive-Evict counts :meth:`take_naive_freed` reads
@@ -287,8 +308,13 @@ class WorkerDecisions:
                 if self.key_reader is None:
                     raise RuntimeError(f"vToken: policy {g.policy.name!r} reads the cached keys at eviction, "
                                        "but this worker has no key reader")
+                extra = {}
+                if g.policy.needs & AttentionNeed.QUERY_MOMENTS:
+                    if g.moments is None:  # no forward yet (cannot happen: a request evicts after one)
+                        raise RuntimeError(f"vToken: policy {g.policy.name!r} evicts before any query was seen")
+                    extra = dict(moments=tuple(t[rows_t] for t in g.moments), start=g.dec.logical[rows_t])
                 g.dec.observe(rows_t, table, None, None,
-                              key_sim=self.key_reader(table, g.dec.live[rows_t], g.granularity))
+                              key_sim=self.key_reader(g.policy, table, g.dec.live[rows_t], g.granularity, **extra))
             ev = g.dec.evict(rows_t, table,
                              torch.tensor([evict[r] for r in rids], device=dev),
                              sink_tokens=torch.tensor([s.sink_tokens for s in spec], device=dev),
@@ -366,6 +392,16 @@ class WorkerDecisions:
             dev = g.dec.live.device
             g.dec.append(torch.tensor(rows, device=dev), g.table(rows),
                          torch.tensor([num_scheduled[r] for r in rids], device=dev))
+
+    def fold_moments(self, rids: list[str], qsum: torch.Tensor, qpair: torch.Tensor, count: torch.Tensor) -> None:
+        """Add a step's query moments (``StepScores.take_moments``, rows in ``rids`` order) to
+        their requests' rows (Expected Attention); requests no longer tracked are skipped."""
+        if not rids or qsum.numel() == 0:
+            return
+        index = {rid: i for i, rid in enumerate(rids)}
+        for g, rows, grids in self._by_group(rids).values():
+            sel = torch.tensor([index[r] for r in grids])
+            g.add_moments(torch.tensor(rows, device=g.dec.live.device), qsum[sel], qpair[sel], count[sel])
 
     def fold(self, scores: Optional[ScoreMap]) -> None:
         """Fold the step's statistics (req_id -> (col_sum, last_row), float64 ``[live]``, or

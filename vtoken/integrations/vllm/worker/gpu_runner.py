@@ -239,8 +239,9 @@ class VTokenGPUWorkerCore(VTokenWorkerCore):
             payload = dataclasses.replace(payload, src=empty, dst=empty)
         super().begin_step(payload, finished, scheduler_output)
 
-    def start_scoring(self, req_ids: list[str]) -> None:
-        """Arm a :class:`GPUStepScores` for the rows of this batch that asked for scores (batch order)."""
+    def start_scoring(self, req_ids: list[str], positions: Optional[torch.Tensor] = None) -> None:
+        """Arm a :class:`GPUStepScores` for the rows of this batch that asked for scores (batch order).
+        (``positions`` serves query moments, which need ``decide_on: worker``: refused on CUDA.)"""
         self.step = None
         if self.score_reqs:
             rows = [(i, r, self.score_reqs[r]) for i, r in enumerate(req_ids) if r in self.score_reqs]

@@ -88,13 +88,14 @@ def _token_view(kv_cache: torch.Tensor, which: int, strides: tuple[int, int]) ->
     return flat.as_strided((nb, H, bs, hd), (flat.stride(0), flat.stride(1), *strides), flat.storage_offset())
 
 
-def _gather_blocks(kv_cache: torch.Tensor, strides: tuple[int, int], block_rows: torch.Tensor, n: int) -> torch.Tensor:
-    """float32 ``[R, num_kv_heads, n, head_size]``: the keys of slots ``0..n-1`` of each block-table
-    row (int64 ``[R, >= cdiv(n, block_size)]``), copied a whole block at a time through the
-    strided K view (affine layouts only)."""
+def _gather_blocks(kv_cache: torch.Tensor, strides: tuple[int, int], block_rows: torch.Tensor, n: int,
+                   which: int = 0) -> torch.Tensor:
+    """float32 ``[R, num_kv_heads, n, head_size]``: the keys (``which`` 0; values: 1) of slots
+    ``0..n-1`` of each block-table row (int64 ``[R, >= cdiv(n, block_size)]``), copied a whole
+    block at a time through the strided K (V) view (affine layouts only)."""
     bs = kv_cache.shape[2]
     nblk = -(-n // bs)
-    kb = _token_view(kv_cache, 0, strides)[block_rows[:, :nblk]].float()  # [R, nblk, H, bs, hd]
+    kb = _token_view(kv_cache, which, strides)[block_rows[:, :nblk]].float()  # [R, nblk, H, bs, hd]
     R, _, H, _, hd = kb.shape
     return kb.permute(0, 2, 1, 3, 4).reshape(R, H, nblk * bs, hd)[:, :, :n]
 
@@ -227,6 +228,10 @@ class KVLayout(Protocol):
         ``blocks``: int64 ``[R, n]`` block ids; ``offsets``: int64 ``[n]`` in-block offsets.
         """
 
+    def gather_values_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """float32 ``[R, num_kv_heads, n, head_size]``: values at ``blocks[r, i]``, offset ``offsets[i]``
+        (as :meth:`gather_keys_batched`)."""
+
 
 @dataclass
 class CPUKVLayout:
@@ -247,19 +252,27 @@ class CPUKVLayout:
         return gather_keys_cpu(kv_cache, self.token_layout, block_ids, num_tokens)
 
     def gather_keys_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self._gather_batched(kv_cache, blocks, offsets, 0)
+
+    def gather_values_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self._gather_batched(kv_cache, blocks, offsets, 1)
+
+    def _gather_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                        which: int) -> torch.Tensor:
         lay = self.token_layout
         n = blocks.shape[1]
         bs = lay.block_size
-        if lay.k_strides is not None and n > 0:
+        strides = lay.v_strides if which else lay.k_strides
+        if strides is not None and n > 0:
             # Whole blocks in block-table order (how StepScores builds its indices): copy each
             # block's keys through a strided view, not token by token (about 4x faster here).
             bt = blocks[:, ::bs]  # [R, nblk]
             if torch.equal(offsets, torch.arange(n) % bs) and torch.equal(
                     blocks, bt.repeat_interleave(bs, dim=1)[:, :n]):
-                return _gather_blocks(kv_cache, lay.k_strides, bt, n)
-        idx = lay.idx_k[offsets]  # [n, hd]
-        kr, _ = _regions(kv_cache)  # [nb, bs*hd, Hkv]
-        k = kr[blocks[:, :, None], idx[None]]  # [R, n, hd, Hkv]
+                return _gather_blocks(kv_cache, strides, bt, n, which)
+        idx = (lay.idx_v if which else lay.idx_k)[offsets]  # [n, hd]
+        region = _regions(kv_cache)[which]  # [nb, bs*hd, Hkv]
+        k = region[blocks[:, :, None], idx[None]]  # [R, n, hd, Hkv]
         return k.permute(0, 3, 1, 2).float()
 
 
@@ -339,6 +352,11 @@ class PagedKVLayout:
         hd = kv_cache.shape[3] // 2
         k = kv_cache[blocks.to(kv_cache.device), :, offsets.to(kv_cache.device)[None, :], :hd]  # [R, n, H, hd]
         return k.permute(0, 2, 1, 3).float()
+
+    def gather_values_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        hd = kv_cache.shape[3] // 2
+        v = kv_cache[blocks.to(kv_cache.device), :, offsets.to(kv_cache.device)[None, :], hd:]  # [R, n, H, hd]
+        return v.permute(0, 2, 1, 3).float()
 
 
 def flash_attn_kv_layout(cache_config=None) -> PagedKVLayout:

@@ -54,6 +54,7 @@ class VTokenV1Adapter:
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         self._vt.check_layers(self.model_config.model)
+        self._vt.find_rope(self.model, ((self.vllm_config.additional_config or {}).get("vtoken") or {}).get("policy"))
         self._vt.wrap_attention()
 
     def _update_states(self, scheduler_output):
@@ -95,7 +96,7 @@ class VTokenV1Adapter:
             self.positions[idx.to(self.positions.device)] = pos.to(self.positions.device, self.positions.dtype)
             for buf in (self.input_ids.gpu, self.input_ids.cpu):
                 buf[idx.to(buf.device)] = ids.to(buf.device, buf.dtype)
-        self._vt.start_scoring(req_ids)
+        self._vt.start_scoring(req_ids, self.positions[: int(scheduler_output.total_num_scheduled_tokens)])
         return res
 
     def _vt_physical_inputs(self, off: np.ndarray, num_reqs: int, T: int, num_scheduled_tokens: np.ndarray) -> None:

@@ -63,6 +63,7 @@ class VTokenV2Adapter:
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         self._vt.check_layers(self.model_config.model)
+        self._vt.find_rope(self.model, ((self.vllm_config.additional_config or {}).get("vtoken") or {}).get("policy"))
         self._vt.wrap_attention()
         ms = self.model_state
         orig = ms.prepare_attn
@@ -96,7 +97,7 @@ class VTokenV2Adapter:
         req_ids = list(input_batch.req_ids[: input_batch.num_reqs])
         off = self._vt.batch_offsets(req_ids)
         self._vt_batch_off = off
-        self._vt.start_scoring(req_ids)
+        self._vt.start_scoring(req_ids, input_batch.positions)
         if off is None:
             res = super().prepare_attn(input_batch)
         else:

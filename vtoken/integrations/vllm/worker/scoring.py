@@ -124,11 +124,23 @@ class StepScores:
         grans: req_id -> granularity (``layer``, ``head``, ``head_shared``) of the rows that
             keep several token sets; None or missing: ``request``.
         windows: req_id -> observation window of the rows that need ``AttentionNeed.WINDOW``.
+        rope: for rows that need ``AttentionNeed.QUERY_MOMENTS`` (Expected Attention):
+            ``((cos_sin [max_position, D], a, b), positions)``, the model's RoPE
+            (``VTokenWorkerCore.find_rope``) and the step's logical positions ``[>= num_tokens]``.
+            Each layer adds, per such row, its pre-RoPE queries (un-rotated at their positions)
+            and their per-pair second moments (:func:`vtoken.policies.expected_attention.pair_terms`),
+            tokens at positions below ``QUERY_SKIP`` left out; :meth:`take_moments` hands them over.
     """
 
     def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None,
-                 grans: Optional[dict[str, str]] = None, windows: Optional[dict[str, int]] = None):
+                 grans: Optional[dict[str, str]] = None, windows: Optional[dict[str, int]] = None,
+                 rope: Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None):
         self.rows = rows
+        #: rows that need query moments: (batch row, req_id)
+        self.moment_rows = [(row, rid) for row, rid, need in rows if need & AttentionNeed.QUERY_MOMENTS.value]
+        self._rope = rope
+        self._moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (qsum, qpair)
+        self._mplan: Optional[dict[str, torch.Tensor]] = None
         self.grans = grans or {}
         #: req_id -> observation window of rows that need ``AttentionNeed.WINDOW`` (SnapKV): their
         #: column sums cover the step's last ``window`` query rows only
@@ -202,6 +214,8 @@ class StepScores:
                              "the tensor-parallel mean needs one head count per rank")
         self.num_heads = Hq
         q_all = query.view(-1, Hq, hd)
+        if self.moment_rows:
+            self._add_moments(q_all, meta, layer_index)
         if self.needs_keys and key is not None:
             # one norm per written key and KV head, for every token of the batch at once
             self._key_norms[layer_index] = key.reshape(key.shape[0], Hkv, hd).to(torch.float64).norm(dim=-1)
@@ -234,6 +248,50 @@ class StepScores:
             self.col[rid] = c if rid not in self.col else self.col[rid] + c
             if r is not None:
                 self.last[rid] = r if rid not in self.last else self.last[rid] + r
+
+    def _add_moments(self, q_all: torch.Tensor, meta, layer_index: int) -> None:
+        """Add one layer's pre-RoPE query moments of the moment rows (batched: one gather, one
+        un-rotation, two ``index_add_`` for every row's tokens together)."""
+        from vtoken.policies.expected_attention import QUERY_SKIP, pair_terms, unrotate
+
+        (cos_sin, a, b), positions = self._rope
+        if self._mplan is None:
+            qsl = meta.query_start_loc.cpu()
+            idx, seg = [], []
+            for i, (row, _) in enumerate(self.moment_rows):
+                qs, qe = int(qsl[row]), int(qsl[row + 1])
+                idx.append(torch.arange(qs, qe))
+                seg.append(torch.full((qe - qs,), i, dtype=torch.int64))
+            idx_t = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+            seg_t = torch.cat(seg) if seg else torch.zeros(0, dtype=torch.int64)
+            pos = positions[idx_t.to(positions.device)].to(torch.int64).cpu()
+            keep = pos >= QUERY_SKIP
+            idx_t, seg_t, pos = idx_t[keep], seg_t[keep], pos[keep]
+            h = cos_sin.shape[1] // 2
+            cs = cos_sin[pos.to(cos_sin.device)].to(torch.float64)
+            dev = q_all.device
+            self._mplan = dict(idx=idx_t.to(dev), seg=seg_t.to(dev), cos=cs[:, :h].to(dev), sin=cs[:, h:].to(dev),
+                               count=torch.bincount(seg_t, minlength=len(self.moment_rows)),
+                               a=a.to(dev), b=b.to(dev))
+        mp = self._mplan
+        q = unrotate(q_all[mp["idx"]].to(torch.float64), mp["cos"], mp["sin"], mp["a"], mp["b"])  # [M, Hq, D]
+        nr, hq, d = len(self.moment_rows), q.shape[1], q.shape[2]
+        qsum = torch.zeros(nr, hq, d, dtype=torch.float64, device=q.device).index_add_(0, mp["seg"], q)
+        qpair = torch.zeros(nr, hq, d // 2, 3, dtype=torch.float64, device=q.device).index_add_(
+            0, mp["seg"], pair_terms(q, mp["a"], mp["b"]))
+        self._moments[layer_index] = (qsum, qpair)
+
+    def take_moments(self) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's query moments: ``(req_ids, qsum [R, L, Hq, D], qpair [R, L, Hq, D/2, 3],
+        count [R])``, float64 but ``count`` (int64: the queries counted, every layer the same)."""
+        rids = [rid for _, rid in self.moment_rows]
+        layers = sorted(self._moments)
+        if not layers:
+            z = torch.zeros(len(rids), 0)
+            return rids, z, z, torch.zeros(len(rids), dtype=torch.int64)
+        qsum = torch.stack([self._moments[i][0] for i in layers], dim=1)
+        qpair = torch.stack([self._moments[i][1] for i in layers], dim=1)
+        return rids, qsum, qpair, self._mplan["count"]
 
     def result(self) -> dict[str, tuple[Optional[np.ndarray], ...]]:
         """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked);
