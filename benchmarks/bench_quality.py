@@ -31,6 +31,8 @@ Usage::
     python benchmarks/bench_quality.py --prefill      # = make bench-quality-prefill: the same 40 conversations,
                                                  # H2O / TOVA / SnapKV x budget, the prompt cut after the whole
                                                  # prompt or between 256-token prefill chunks (issue 25)
+    python benchmarks/bench_quality.py --keyonly      # the same 40 conversations, K-norm / KeyDiff / Expected
+                                                 # Attention x budget at their head token sets (issue 26)
     python benchmarks/bench_quality.py --granularity --from-partial benchmarks/results/quality_granularity.partial.json
                                                  # an interrupted run's finished conversations as the result
     python benchmarks/bench_quality.py --granularity --resume benchmarks/results/quality_granularity.partial.json
@@ -81,6 +83,11 @@ def plan(size: str) -> dict:
         return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["h2o", "tova", "scissorhands"],
                                 budgets=[128, 512], pacings=["fixed", "pressure"], pool=POOL,
                                 granularities=["request", "layer", "head"]))
+    if size == "keyonly":
+        # Issue 26: the key-only policies at their default (head) token sets, the same 40
+        # conversations (H2O at head sets: the --granularity result)
+        return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["knorm", "keydiff", "expected_attention"],
+                                budgets=[128, 512], granularities=["head"], keyonly=True))
     if size == "prefill":
         # Issue 25: the quality cost of evicting between prefill chunks against evicting after the
         # whole prompt, same budget, both under decide_on: worker at each policy's default token
@@ -307,7 +314,8 @@ def from_partial(path: Path, out_path: Path) -> dict:
         for b in p["budgets"]:
             pool_stats[b] = pressure_schedules(p["n_conv"], p["prompt_len"], p["K"], b, **p["pool"])[1]
     orc = dict(config=p, rows=rows, summary=summarize(oracle_configs(p), rows), pool_stats=pool_stats)
-    size = "granularity" if "granularities" in p else "prefill" if "prefill" in p else "scale"
+    size = ("keyonly" if p.get("keyonly") else "granularity" if "granularities" in p else "prefill" if "prefill" in p
+            else "scale")
     res = dict(meta=run_metadata(benchmark="quality", size=size,
                                  seeds=dict(data_shuffle=SEED + 1, engine=0, random_policy=0),
                                  model="SmolLM2-135M-Instruct (oracle fp32 HF eager)", plan=dict(oracle=p),
@@ -560,8 +568,9 @@ def plot_granularity(res: dict, path: Path) -> None:
     axes[1].set_ylim(0, 1.05)
     axes[0].legend(title="token sets")
     c = res["oracle"]["config"]
-    fig.suptitle(f"granularity: {c['n_conv']} conversations, prompt {c['prompt_len']}, next {c['K']} real tokens "
-                 "teacher-forced (fp32 oracle)", fontsize=10)
+    n = max(s["n"] for s in summ)  # (an interrupted run's result: the conversations it finished)
+    fig.suptitle(f"{'key-only policies' if c.get('keyonly') else 'granularity'}: {n} conversations, prompt "
+                 f"{c['prompt_len']}, next {c['K']} real tokens teacher-forced (fp32 oracle)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -623,7 +632,7 @@ def plot_result(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity", "prefill"),
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity", "prefill", "keyonly"),
                                      from_partial=True)
     if args.from_partial:
         plot_result(from_partial(args.from_partial, out_path), out_path.with_suffix(".png"))

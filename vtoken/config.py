@@ -152,7 +152,7 @@ class VTokenConfig(BaseModel):
         description="token sets per request. request: one set shared by every layer and KV head; layer: one per "
         "layer; head: one per (layer, KV head); head_shared: one per KV head, shared across layers. Every set "
         "keeps the same number of live tokens, so block tables and slot mappings stay shared. null: the policy's "
-        "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv head; tova layer; random, streaming request) under "
+        "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv, expected_attention head; tova layer; random, streaming request) under "
         "decide_on worker, request under decide_on scheduler; anything but request needs decide_on worker",
     )
     prefill_eviction: Optional[Literal["after", "chunks"]] = Field(

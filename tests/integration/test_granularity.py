@@ -25,7 +25,7 @@ from test_worker_decisions import _naive_blocks
 
 pytestmark = pytest.mark.engine
 
-POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv"]
+POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
 GRANULARITIES = ["layer", "head", "head_shared"]
 NEW = 40
 BASE = {"policy": "h2o", "budget": 40, "decide_on": "worker"}

@@ -18,7 +18,7 @@ from execution_paths import EXPECTED, PATHS, path_env
 
 pytestmark = pytest.mark.engine
 
-POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv"]
+POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
 BUDGETS = [29, 45, 64]
 NEW = 64
 BASE = {"policy": "h2o", "budget": 45, "decide_on": "worker"}

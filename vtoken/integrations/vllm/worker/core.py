@@ -462,7 +462,7 @@ class VTokenWorkerCore:
         """
         st, self.step = self.step, None
         wanted, self.score_reqs = self.score_reqs, {}
-        if st is not None and st.moment_rows and self.decisions is not None:
+        if st is not None and getattr(st, "moment_rows", None) and self.decisions is not None:
             self.decisions.fold_moments(*st.take_moments())  # this rank's own query heads
         if wanted and self._tp_world() > 1:
             res = self._reduce_over_tp(st) or None
