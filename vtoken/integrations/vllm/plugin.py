@@ -134,6 +134,10 @@ def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
         refusals.refuse("per_head_replicated_kv", cfg.resolved_granularity(),
                         f"the model has {vcfg.model_config.get_total_num_kv_heads()} KV heads, "
                         f"--tensor-parallel-size is {tp}")
+    rope = refusals.rope_problem(vcfg.model_config.hf_text_config)
+    frontend.set_rope_problem(rope)
+    if rope is not None and cfg.policy == "expected_attention":
+        refusals.refuse("ea_rope", cfg.policy, f"the model's config: {rope}")
 
 
 def _check_block_size(block_size) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from vtoken.config import VTokenConfigError
 
-__all__ = ["Refusal", "REFUSALS", "refuse", "check_engine_args", "check_model",
+__all__ = ["Refusal", "REFUSALS", "refuse", "check_engine_args", "check_model", "rope_problem",
            "model_attention_features", "check_attention_layers", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block"]
 
 
@@ -100,6 +100,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "each rank then holds a copy of a KV head but scores it from its own query heads only, so the copies "
             "would keep different tokens; allowed there: granularity request or layer (a request's "
             "vtoken_granularity is refused the same way, HTTP 400)"),
+    Refusal("ea_rope", "vtoken.policy = expected_attention on a model without one full, plain or Llama 3 "
+            "rotary position embedding", "start-up",
+            "Expected Attention un-rotates each query and rotates the query moments to future positions with the "
+            "model's own RoPE; other position encodings, partial rotary dimensions and other RoPE scalings are not "
+            "modelled; allowed there: another policy (keydiff, knorm); a request's vtoken_policy is refused the "
+            "same way, HTTP 400"),
     Refusal("streaming_input", "streaming-input (resumable) requests", "request",
             "the request keeps its blocks across input chunks while vToken's per-request state is built "
             "for one prompt"),
@@ -128,6 +134,28 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
         option = r.option.split(" ", 1)[0]
         raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
     raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")
+
+
+def rope_problem(hf_text_config: Any) -> Optional[str]:
+    """Why Expected Attention cannot run on a model, from its Hugging Face config, or None.
+
+    Allowed: a rotary position embedding over every head dimension, of RoPE type ``default`` or
+    ``llama3`` (``rope_parameters`` / ``rope_scaling``; the worker's
+    ``VTokenWorkerCore.find_rope`` checks the loaded layers the same way).
+    """
+    params = _get(hf_text_config, "rope_parameters") or _get(hf_text_config, "rope_scaling")
+    theta = _get(hf_text_config, "rope_theta")
+    if isinstance(params, dict) and "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
+        return f"rope_parameters = {params!r} (one RoPE per layer type)"
+    if theta is None and not (isinstance(params, dict) and params.get("rope_theta") is not None):
+        return "no rotary position embedding (rope_theta)"
+    kind = (params or {}).get("rope_type", (params or {}).get("type", "default")) if isinstance(params, dict) else "default"
+    if kind not in ("default", "llama3"):
+        return f"rope_type = {kind!r}"
+    partial = _get(hf_text_config, "partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        return f"partial_rotary_factor = {partial!r}"
+    return None
 
 
 # ---------------------------------------------------------------------- start-up checks

@@ -56,6 +56,7 @@ __all__ = ["set_engine_config", "set_max_model_len", "engine_config", "check_req
 _engine_cfg: Optional[VTokenConfig] = None
 _max_model_len: Optional[int] = None
 _per_head_ok = True
+_rope_problem: Optional[str] = None  # why Expected Attention cannot run on the model (None: it can)
 
 #: The message of the beam-search refusal through the OpenAI server (its row of refusals.REFUSALS).
 BEAM_SEARCH_REFUSAL = (
@@ -78,10 +79,11 @@ STREAMING_INPUT_REFUSAL = (
 def set_engine_config(cfg: Optional[VTokenConfig]) -> None:
     """Record the engine's vToken config in this process (None: vToken off) and install the
     request-time guards (idempotent). Called by the plugin's ``create_engine_config`` wrapper."""
-    global _engine_cfg, _max_model_len, _per_head_ok
+    global _engine_cfg, _max_model_len, _per_head_ok, _rope_problem
     _engine_cfg = cfg
     _max_model_len = None
     _per_head_ok = True
+    _rope_problem = None
     if cfg is not None:
         _install_middleware_hook()
         _install_streaming_input_refusal()
@@ -99,6 +101,12 @@ def set_per_head_allowed(ok: bool) -> None:
     heads; refusals ``per_head_replicated_kv``)."""
     global _per_head_ok
     _per_head_ok = ok
+
+
+def set_rope_problem(problem: Optional[str]) -> None:
+    """Record why Expected Attention cannot run on the engine's model, or None (refusals ``ea_rope``)."""
+    global _rope_problem
+    _rope_problem = problem
 
 
 def engine_config() -> Optional[VTokenConfig]:
@@ -127,6 +135,11 @@ def check_request(extra_args: Optional[dict]) -> None:
             raise VTokenConfigError(
                 f"{what}: per-head token sets need every tensor-parallel rank to own its KV heads, and this engine "
                 "replicates them (more ranks than KV heads); allowed here: vtoken_granularity 'request' or 'layer'")
+        if _rope_problem is not None and eff.policy == "expected_attention":
+            raise VTokenConfigError(
+                f"vllm_xargs.vtoken_policy = {eff.policy!r}: Expected Attention needs one full, plain or Llama 3 rotary "
+                f"position embedding, and this model has {_rope_problem}; allowed here: another policy (e.g. keydiff, "
+                "knorm)")
 
 
 # ---------------------------------------------------------------------- raw JSON guard

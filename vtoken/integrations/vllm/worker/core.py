@@ -115,7 +115,8 @@ class VTokenWorkerCore:
         Raises:
             VTokenConfigError: ``policy`` is ``expected_attention`` and the model has no RoPE, a
                 partial one (``rotary_dim < head_size``), a scaled kind other than Llama 3's, or
-                layers with different RoPEs.
+                layers with different RoPEs (refusal ``ea_rope``; the start-up check from the
+                model's config, ``refusals.rope_problem``, catches these before the load).
         """
         found: dict[int, Any] = {}
         for mod in model.modules():
@@ -141,11 +142,9 @@ class VTokenWorkerCore:
             dev = m.cos_sin_cache.device
             self.rope = (m.cos_sin_cache, a.to(dev), b.to(dev))
         if self.rope is None and policy == "expected_attention":
-            from vtoken.config import VTokenConfigError
+            from vtoken.integrations.vllm.frontend.refusals import refuse
 
-            raise VTokenConfigError(
-                f"vtoken.policy = 'expected_attention' cannot run on this model: {self.rope_missing}; allowed: a model "
-                "with one full rotary position embedding (Llama-style), or another policy (e.g. keydiff, knorm)")
+            refuse("ea_rope", policy, f"the loaded model: {self.rope_missing}")
 
     def wrap_attention(self) -> int:
         """Wrap each attention impl's ``forward`` (per instance) to feed :attr:`step`; returns the count."""
