@@ -93,7 +93,7 @@ def test_expected_attention_equals_the_full_matrix_reference(neox):
         e = np.exp(z - z.max())
         want[j // g, :live] += e / e.sum() / g
     want[:, :live] *= np.linalg.norm(vals[0, :, :live], axis=-1)
-    np.testing.assert_allclose(got[:, :live], want[:, :live], rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(got[:, :live], want[:, :live], rtol=2e-5, atol=1e-9)  # (float32 products)
     assert np.isnan(got[:, live:]).all()
 
 
@@ -111,7 +111,7 @@ def test_one_known_query_gives_its_attention():
     got = expected_attention(torch.from_numpy(k), torch.tensor([n]), qt.sum(0)[None], pair_terms(qt, a, b).sum(0)[None],
                              torch.tensor([5]), cb, sb, a, b)[0, 0].numpy()
     z = k[0, 0] @ q[0, 0] / math.sqrt(d)
-    np.testing.assert_allclose(got, np.exp(z) / np.exp(z).sum(), rtol=1e-12)
+    np.testing.assert_allclose(got, np.exp(z) / np.exp(z).sum(), rtol=2e-5)  # (float32 products)
 
 
 def test_policy_keeps_the_highest_expected_attention_and_refuses_bad_args():

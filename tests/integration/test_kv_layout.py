@@ -127,6 +127,33 @@ def test_strided_paths_equal_the_general_path(dtype, isa):
 
 
 @pytest.mark.parametrize("dtype,isa", _cases())
+def test_key_and_value_reads_equal_the_index_maps(dtype, isa):
+    """Expected Attention's read of keys and values (``gather_kv_rows``: whole blocks, one copy of K
+    and V per layer, straight into float32 rows; ``gather_kv_batched``; ``gather_values_batched``)
+    equals the probed index maps' element-wise read, on the strided path and the general one, for
+    lengths that end inside a block."""
+    g = torch.Generator().manual_seed(2)
+    nb, H, bs, hd = 24, 3, 32, 64
+    layout = probe_cpu_layout(dtype, isa, bs, hd, H)
+    kv = torch.randn(nb, H, bs, 2 * hd, generator=g).to(dtype)
+    lens = [150, 97, 1]
+    bt = torch.stack([torch.randperm(nb, generator=g)[:5] for _ in lens])
+    n = max(lens)
+    s = torch.arange(n)
+    for lay in (layout, _general(layout)):
+        out = (torch.full((len(lens), H, n, hd), float("nan")), torch.full((len(lens), H, n, hd), float("nan")))
+        CPUKVLayout(lay).gather_kv_rows(kv, bt, n, out)
+        kb, vb = CPUKVLayout(lay).gather_kv_batched(kv, bt[:, s // bs], s % bs)
+        vals = CPUKVLayout(lay).gather_values_batched(kv, bt[:, s // bs], s % bs)
+        for r in range(len(lens)):
+            want_k, want_v = _values(kv, layout, bt[r], n)  # [n, H, hd] in the cache's dtype
+            for got in (out[0][r], kb[r]):
+                assert torch.equal(got.permute(1, 0, 2), want_k.float())
+            for got in (out[1][r], vb[r], vals[r]):
+                assert torch.equal(got.permute(1, 0, 2), want_v.float())
+
+
+@pytest.mark.parametrize("dtype,isa", _cases())
 def test_per_head_moves_touch_only_their_head(dtype, isa):
     """Per-head token sets (issue 23): a move of (slot, head) copies that head's K and V only; the
     strided and element-wise paths agree; every other (slot, head) is untouched. Checked against

@@ -13,7 +13,7 @@ import torch
 from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
 
 __all__ = ["ExpectedAttentionPolicy", "QUERY_SKIP", "rope_pairs", "unrotate", "pair_terms", "future_rotation",
-           "expected_attention"]
+           "rope_prefix_sums", "rotation_from_prefix", "expected_attention"]
 
 #: queries at logical positions below this are left out of the moments (the paper's ``n_sink``:
 #: the first positions' hidden states are outliers)
@@ -77,10 +77,21 @@ def future_rotation(cos_sin: torch.Tensor, start: torch.Tensor, n_future: int) -
     Returns:
         float64 ``(cos_bar, sin_bar)``, each ``[R, D/2]`` (zeros for a request with no position left).
     """
-    n_pos, d = cos_sin.shape
+    return rotation_from_prefix(rope_prefix_sums(cos_sin), start, n_future)
+
+
+def rope_prefix_sums(cos_sin: torch.Tensor) -> torch.Tensor:
+    """float64 ``[max_position + 1, D]``: prefix sums of ``cos_sin``'s rows (row ``p``: positions
+    ``0..p-1``), made once per model so that :func:`rotation_from_prefix` is two gathers."""
+    d = cos_sin.shape[1]
+    return torch.cumsum(torch.cat([torch.zeros(1, d, dtype=torch.float64, device=cos_sin.device),
+                                   cos_sin.to(torch.float64)]), dim=0)
+
+
+def rotation_from_prefix(cs: torch.Tensor, start: torch.Tensor, n_future: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`future_rotation` from :func:`rope_prefix_sums` ``cs``."""
+    n_pos, d = cs.shape[0] - 1, cs.shape[1]
     h = d // 2
-    cs = torch.cumsum(torch.cat([torch.zeros(1, d, dtype=torch.float64, device=cos_sin.device),
-                                 cos_sin.to(torch.float64)]), dim=0)  # [max_pos + 1, D]: prefix sums
     lo = start.clamp(0, n_pos)
     hi = (start + n_future).clamp(0, n_pos)
     cnt = (hi - lo).to(torch.float64).clamp(min=1)[:, None]
@@ -120,8 +131,7 @@ def expected_attention(keys: torch.Tensor, live: torch.Tensor, qsum: torch.Tenso
     Raises:
         ValueError: ``Hq`` not a multiple of ``Hkv``.
     """
-    k = keys.to(torch.float64)
-    r, hkv, n, d = k.shape
+    r, hkv, n, d = keys.shape
     hq = qsum.shape[1]
     if hq % hkv:
         raise ValueError(f"expected_attention: {hq} query heads is not a multiple of {hkv} KV heads")
@@ -129,29 +139,45 @@ def expected_attention(keys: torch.Tensor, live: torch.Tensor, qsum: torch.Tenso
     cnt = count.to(torch.float64).clamp(min=1)[:, None, None]
     mu = qsum / cnt  # [R, Hq, D]
     e2 = qpair / cnt[..., None]  # [R, Hq, P, 3]
-    ma, mb = mu[..., a], mu[..., b]
+    ma, mb = _pair(mu, a, b)
     x, y, z = e2[..., 0] - ma * ma, e2[..., 1] - ma * mb, e2[..., 2] - mb * mb  # the pair's covariance
     c, s = cos_bar[:, None, :], sin_bar[:, None, :]
-    ma2, mb2 = c * ma - s * mb, s * ma + c * mb  # R mu
-    cxx = c * c * x - 2 * c * s * y + s * s * z  # R S R^T
-    cxy = c * s * (x - z) + (c * c - s * s) * y
-    cyy = s * s * x + 2 * c * s * y + c * c * z
-    ka, kb = k[..., a], k[..., b]  # [R, Hkv, N, P]
+    # per query head the weights of the key features k (R mu / sqrt(D)), k * k and k_a k_b
+    # (R S R^T's diagonal and cross entries / 2D), each feature in the keys' own dimension order
+    w_lin = torch.zeros_like(mu)
+    w_lin[..., a] = (c * ma - s * mb) / math.sqrt(d)
+    w_lin[..., b] = (s * ma + c * mb) / math.sqrt(d)
+    w_sq = torch.zeros_like(mu)
+    w_sq[..., a] = (c * c * x - 2 * c * s * y + s * s * z) / (2 * d)
+    w_sq[..., b] = (s * s * x + 2 * c * s * y + c * c * z) / (2 * d)
+    w_ab = 2 * (c * s * (x - z) + (c * c - s * s) * y) / (2 * d)  # [R, Hq, P]
 
-    def per_head(t: torch.Tensor) -> torch.Tensor:  # [R, Hq, P] -> [R, Hkv, G, P]
-        return t.view(r, hkv, g, -1)
+    def per_kv(t: torch.Tensor) -> torch.Tensor:  # [R, Hq, F] -> [R, Hkv, F, G], float32
+        return t.view(r, hkv, g, -1).transpose(-1, -2).to(torch.float32)
 
-    lin = (torch.einsum("rhnp,rhgp->rhgn", ka, per_head(ma2)) + torch.einsum("rhnp,rhgp->rhgn", kb, per_head(mb2)))
-    quad = (torch.einsum("rhnp,rhgp->rhgn", ka * ka, per_head(cxx))
-            + 2 * torch.einsum("rhnp,rhgp->rhgn", ka * kb, per_head(cxy))
-            + torch.einsum("rhnp,rhgp->rhgn", kb * kb, per_head(cyy)))
-    logits = lin / math.sqrt(d) + quad / (2 * d)  # [R, Hkv, G, N]
-    pad = torch.arange(n, device=k.device)[None, :] >= live.to(k.device)[:, None]  # [R, N]
+    # the products in float32 (the keys are bf16/fp32 already; the moments and weights float64),
+    # three batched matmuls per (request, KV head): [N, F] x [F, G]
+    k32 = keys.to(torch.float32)
+    ka, kb = _pair(k32, a, b)
+    logits = (torch.matmul(k32, per_kv(w_lin)) + torch.matmul(k32 * k32, per_kv(w_sq))
+              + torch.matmul(ka * kb, per_kv(w_ab))).transpose(-1, -2).to(torch.float64)  # [R, Hkv, G, N]
+    pad = torch.arange(n, device=keys.device)[None, :] >= live.to(keys.device)[:, None]  # [R, N]
     logits = logits.masked_fill(pad[:, None, None, :], float("-inf"))
     p = torch.softmax(logits, dim=-1).mean(dim=2)  # [R, Hkv, N]
     if vnorm is not None:
         p = p * vnorm.to(torch.float64)
     return p.masked_fill(pad[:, None, :], float("nan"))
+
+
+def _pair(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t[..., a], t[..., b]``: views (no copy) for RoPE's two layouts, an index otherwise."""
+    d, h = t.shape[-1], a.numel()
+    ar = torch.arange(h, device=a.device)
+    if torch.equal(a, ar) and torch.equal(b, ar + h):  # rotate-half (neox)
+        return t[..., :h], t[..., h:]
+    if torch.equal(a, 2 * ar) and torch.equal(b, 2 * ar + 1):  # interleaved (GPT-J)
+        return t[..., 0::2], t[..., 1::2]
+    return t[..., a], t[..., b]
 
 
 @dataclass

@@ -89,6 +89,7 @@ class VTokenWorkerCore:
         self.rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         #: why :attr:`rope` is None (Expected Attention cannot run), or None
         self.rope_missing: Optional[str] = "the model was not loaded"
+        self._rope_prefix: Optional[torch.Tensor] = None  # prefix sums of the RoPE table (made once)
 
     # -------------------------------------------------------------- set-up
     def check_layers(self, model_name: str) -> None:
@@ -123,7 +124,7 @@ class VTokenWorkerCore:
             if all(hasattr(mod, a) for a in ("cos_sin_cache", "is_neox_style", "rotary_dim", "head_size")):
                 found.setdefault(id(mod), mod)
         mods = list(found.values())
-        self.rope, self.rope_missing = None, None
+        self.rope, self.rope_missing, self._rope_prefix = None, None, None
         if not mods:
             self.rope_missing = "the model has no rotary position embedding"
         elif any(type(m).__name__ not in ("RotaryEmbedding", "Llama3RotaryEmbedding") for m in mods):
@@ -317,17 +318,19 @@ class VTokenWorkerCore:
         Raises:
             RuntimeError: the model has no usable RoPE (:meth:`find_rope`).
         """
-        from vtoken.policies.expected_attention import expected_attention, future_rotation
+        from vtoken.policies.expected_attention import expected_attention, rope_prefix_sums, rotation_from_prefix
 
         if self.rope is None:
             raise RuntimeError(f"vToken: policy 'expected_attention' cannot run on this model: {self.rope_missing}")
         cos_sin, a, b = self.rope
+        if self._rope_prefix is None:
+            self._rope_prefix = rope_prefix_sums(cos_sin)
         keys, vals = self._read_live(table, live, values=True)  # [R, L*Hkv, n, hd] each
         nl = len(self.kv_caches())
         r, n = keys.shape[0], keys.shape[2]
         hk = keys.shape[1] // nl
         qsum, qpair, count = (t.to(keys.device) for t in moments)
-        cb, sb = future_rotation(cos_sin, start.to(cos_sin.device), n_future)
+        cb, sb = rotation_from_prefix(self._rope_prefix, start.to(cos_sin.device), n_future)
         dev = keys.device
         ea = expected_attention(keys, live.to(dev), qsum.reshape(r, -1, qsum.shape[-1]),
                                 qpair.reshape(r, -1, *qpair.shape[-2:]), count, cb.to(dev), sb.to(dev),
@@ -351,12 +354,17 @@ class VTokenWorkerCore:
         caches = self.kv_caches()
         bs = caches[0][0].shape[2]
         n = int(live.max()) if live.numel() else 0
-        cols = torch.arange(n, device=table.device)
-        blocks = table.gather(1, (cols // bs)[None, :].expand(table.shape[0], n).clamp(max=table.shape[1] - 1))
-        offsets = cols % bs
-        keys = torch.cat([lay.gather_keys_batched(kv, blocks, offsets) for kv, lay in caches], dim=1)
-        vals = (torch.cat([lay.gather_values_batched(kv, blocks, offsets) for kv, lay in caches], dim=1)
-                if values else None)
+        if not values:
+            cols = torch.arange(n, device=table.device)
+            blocks = table.gather(1, (cols // bs)[None, :].expand(table.shape[0], n).clamp(max=table.shape[1] - 1))
+            return torch.cat([lay.gather_keys_batched(kv, blocks, cols % bs) for kv, lay in caches], dim=1), None
+        kv0 = caches[0][0]  # every layout's view: [num_blocks, H, block_size, 2*hd]
+        h, hd = kv0.shape[1], kv0.shape[3] // 2
+        rows = table[:, : -(-n // bs)] if n else table
+        keys = torch.empty(table.shape[0], len(caches) * h, n, hd, dtype=torch.float32, device=kv0.device)
+        vals = torch.empty_like(keys)
+        for i, (kv, lay) in enumerate(caches):  # each layer's whole blocks read and converted into its rows
+            lay.gather_kv_rows(kv, rows, n, (keys[:, i * h:(i + 1) * h], vals[:, i * h:(i + 1) * h]))
         return keys, vals
 
     def _key_stat_sets(self, sims: torch.Tensor, gran: str, device) -> torch.Tensor:

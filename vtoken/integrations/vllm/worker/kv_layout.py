@@ -88,6 +88,34 @@ def _token_view(kv_cache: torch.Tensor, which: int, strides: tuple[int, int]) ->
     return flat.as_strided((nb, H, bs, hd), (flat.stride(0), flat.stride(1), *strides), flat.storage_offset())
 
 
+def _gather_blocks_kv(kv_cache: torch.Tensor, k_strides: tuple[int, int], v_strides: tuple[int, int],
+                      block_rows: torch.Tensor, n: int,
+                      out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``([R, num_kv_heads, n, head_size],) * 2``: keys and values of slots ``0..n-1`` of
+    each block-table row, from one copy of the rows' whole blocks (K and V regions together),
+    converted straight into ``out`` when given (two float32 tensors of that shape)."""
+    bs = kv_cache.shape[2]
+    nblk = -(-n // bs)
+    R, H = block_rows.shape[0], kv_cache.shape[1]
+    blk = kv_cache[block_rows[:, :nblk].reshape(-1)]  # [R * nblk, H, bs, 2hd]: one gather, same inner layout
+    res = []
+    for i, (which, strides) in enumerate(((0, k_strides), (1, v_strides))):
+        t = _token_view(blk, which, strides)  # [R * nblk, H, bs, hd] (a view of the copy)
+        hd = t.shape[3]
+        t = t.view(R, nblk, H, bs, hd).permute(0, 2, 1, 3, 4)  # [R, H, nblk, bs, hd]
+        if out is None:
+            res.append(t.float().reshape(R, H, nblk * bs, hd)[:, :, :n])
+            continue
+        dst = out[i]
+        full, rest = divmod(n, bs)  # whole blocks, then the last block's first `rest` slots
+        if full:
+            dst[:, :, : full * bs].view(R, H, full, bs, hd).copy_(t[:, :, :full])
+        if rest:
+            dst[:, :, full * bs:].copy_(t[:, :, full, :rest])
+        res.append(dst)
+    return res[0], res[1]
+
+
 def _gather_blocks(kv_cache: torch.Tensor, strides: tuple[int, int], block_rows: torch.Tensor, n: int,
                    which: int = 0) -> torch.Tensor:
     """float32 ``[R, num_kv_heads, n, head_size]``: the keys (``which`` 0; values: 1) of slots
@@ -232,6 +260,16 @@ class KVLayout(Protocol):
         """float32 ``[R, num_kv_heads, n, head_size]``: values at ``blocks[r, i]``, offset ``offsets[i]``
         (as :meth:`gather_keys_batched`)."""
 
+    def gather_kv_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                          out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at once (:meth:`gather_keys_batched`, :meth:`gather_values_batched`),
+        written into ``out`` (two float32 ``[R, num_kv_heads, n, head_size]`` tensors) when given."""
+
+    def gather_kv_rows(self, kv_cache: torch.Tensor, block_rows: torch.Tensor, n: int,
+                       out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keys and values of slots ``0..n-1`` of each block-table row (int64 ``[R, >= cdiv(n, B)]``)
+        into ``out`` (two float32 ``[R, num_kv_heads, n, head_size]`` tensors)."""
+
 
 @dataclass
 class CPUKVLayout:
@@ -256,6 +294,35 @@ class CPUKVLayout:
 
     def gather_values_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return self._gather_batched(kv_cache, blocks, offsets, 1)
+
+    def gather_kv_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                          out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.token_layout
+        n = blocks.shape[1]
+        bs = lay.block_size
+        if lay.k_strides is not None and lay.v_strides is not None and n > 0:
+            bt = blocks[:, ::bs]  # whole blocks in block-table order: one copy of K and V together
+            if torch.equal(offsets, torch.arange(n) % bs) and torch.equal(
+                    blocks, bt.repeat_interleave(bs, dim=1)[:, :n]):
+                return _gather_blocks_kv(kv_cache, lay.k_strides, lay.v_strides, bt, n, out)
+        k, v = self._gather_batched(kv_cache, blocks, offsets, 0), self._gather_batched(kv_cache, blocks, offsets, 1)
+        if out is None:
+            return k, v
+        out[0].copy_(k)
+        out[1].copy_(v)
+        return out
+
+    def gather_kv_rows(self, kv_cache: torch.Tensor, block_rows: torch.Tensor, n: int,
+                       out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        lay = self.token_layout
+        if n <= 0:
+            return
+        if lay.k_strides is not None and lay.v_strides is not None:
+            _gather_blocks_kv(kv_cache, lay.k_strides, lay.v_strides, block_rows, n, out)
+            return
+        bs = lay.block_size
+        cols = torch.arange(n)
+        self.gather_kv_batched(kv_cache, block_rows[:, cols // bs], cols % bs, out)
 
     def _gather_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
                         which: int) -> torch.Tensor:
@@ -357,6 +424,26 @@ class PagedKVLayout:
         hd = kv_cache.shape[3] // 2
         v = kv_cache[blocks.to(kv_cache.device), :, offsets.to(kv_cache.device)[None, :], hd:]  # [R, n, H, hd]
         return v.permute(0, 2, 1, 3).float()
+
+    def gather_kv_batched(self, kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                          out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        hd = kv_cache.shape[3] // 2
+        kv = kv_cache[blocks.to(kv_cache.device), :, offsets.to(kv_cache.device)[None, :], :]  # [R, n, H, 2hd]
+        kv = kv.permute(0, 2, 1, 3)
+        if out is None:
+            kv = kv.float()
+            return kv[..., :hd], kv[..., hd:]
+        out[0].copy_(kv[..., :hd])
+        out[1].copy_(kv[..., hd:])
+        return out
+
+    def gather_kv_rows(self, kv_cache: torch.Tensor, block_rows: torch.Tensor, n: int,
+                       out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if n <= 0:
+            return
+        bs = kv_cache.shape[2]
+        cols = torch.arange(n, device=block_rows.device)
+        self.gather_kv_batched(kv_cache, block_rows[:, cols // bs], cols % bs, out)
 
 
 def flash_attn_kv_layout(cache_config=None) -> PagedKVLayout:

@@ -127,9 +127,10 @@ class StepScores:
         rope: for rows that need ``AttentionNeed.QUERY_MOMENTS`` (Expected Attention):
             ``((cos_sin [max_position, D], a, b), positions)``, the model's RoPE
             (``VTokenWorkerCore.find_rope``) and the step's logical positions ``[>= num_tokens]``.
-            Each layer adds, per such row, its pre-RoPE queries (un-rotated at their positions)
-            and their per-pair second moments (:func:`vtoken.policies.expected_attention.pair_terms`),
-            tokens at positions below ``QUERY_SKIP`` left out; :meth:`take_moments` hands them over.
+            Each layer keeps the queries of such rows (tokens at positions below ``QUERY_SKIP``
+            left out); :meth:`take_moments` un-rotates them at their positions and sums them and
+            their per-pair second moments (:func:`vtoken.policies.expected_attention.pair_terms`)
+            per row, every layer in one batch.
     """
 
     def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None,
@@ -139,7 +140,7 @@ class StepScores:
         #: rows that need query moments: (batch row, req_id)
         self.moment_rows = [(row, rid) for row, rid, need in rows if need & AttentionNeed.QUERY_MOMENTS.value]
         self._rope = rope
-        self._moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (qsum, qpair)
+        self._moments: dict[int, torch.Tensor] = {}  # layer -> the moment rows' queries [M, Hq, D]
         self._mplan: Optional[dict[str, torch.Tensor]] = None
         self.grans = grans or {}
         #: req_id -> observation window of rows that need ``AttentionNeed.WINDOW`` (SnapKV): their
@@ -250,12 +251,12 @@ class StepScores:
                 self.last[rid] = r if rid not in self.last else self.last[rid] + r
 
     def _add_moments(self, q_all: torch.Tensor, meta, layer_index: int) -> None:
-        """Add one layer's pre-RoPE query moments of the moment rows (batched: one gather, one
-        un-rotation, two ``index_add_`` for every row's tokens together)."""
-        from vtoken.policies.expected_attention import QUERY_SKIP, pair_terms, unrotate
+        """Keep one layer's queries of the moment rows (one gather); :meth:`take_moments`
+        un-rotates them and adds their moments for every layer at once."""
+        from vtoken.policies.expected_attention import QUERY_SKIP
 
-        (cos_sin, a, b), positions = self._rope
         if self._mplan is None:
+            (cos_sin, a, b), positions = self._rope
             qsl = meta.query_start_loc.cpu()
             idx, seg = [], []
             for i, (row, _) in enumerate(self.moment_rows):
@@ -273,25 +274,28 @@ class StepScores:
             self._mplan = dict(idx=idx_t.to(dev), seg=seg_t.to(dev), cos=cs[:, :h].to(dev), sin=cs[:, h:].to(dev),
                                count=torch.bincount(seg_t, minlength=len(self.moment_rows)),
                                a=a.to(dev), b=b.to(dev))
-        mp = self._mplan
-        q = unrotate(q_all[mp["idx"]].to(torch.float64), mp["cos"], mp["sin"], mp["a"], mp["b"])  # [M, Hq, D]
-        nr, hq, d = len(self.moment_rows), q.shape[1], q.shape[2]
-        qsum = torch.zeros(nr, hq, d, dtype=torch.float64, device=q.device).index_add_(0, mp["seg"], q)
-        qpair = torch.zeros(nr, hq, d // 2, 3, dtype=torch.float64, device=q.device).index_add_(
-            0, mp["seg"], pair_terms(q, mp["a"], mp["b"]))
-        self._moments[layer_index] = (qsum, qpair)
+        self._moments[layer_index] = q_all[self._mplan["idx"]]  # [M, Hq, D], post-RoPE
 
     def take_moments(self) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's query moments: ``(req_ids, qsum [R, L, Hq, D], qpair [R, L, Hq, D/2, 3],
-        count [R])``, float64 but ``count`` (int64: the queries counted, every layer the same)."""
+        count [R])``, float64 but ``count`` (int64: the queries counted, every layer the same);
+        every layer's queries un-rotated and summed in one batch."""
+        from vtoken.policies.expected_attention import pair_terms, unrotate
+
         rids = [rid for _, rid in self.moment_rows]
         layers = sorted(self._moments)
         if not layers:
             z = torch.zeros(len(rids), 0)
             return rids, z, z, torch.zeros(len(rids), dtype=torch.int64)
-        qsum = torch.stack([self._moments[i][0] for i in layers], dim=1)
-        qpair = torch.stack([self._moments[i][1] for i in layers], dim=1)
-        return rids, qsum, qpair, self._mplan["count"]
+        mp = self._mplan
+        q = torch.stack([self._moments[i] for i in layers], dim=1).to(torch.float64)  # [M, L, Hq, D]
+        m, nl, hq, d = q.shape
+        q = unrotate(q.view(m, nl * hq, d), mp["cos"], mp["sin"], mp["a"], mp["b"])  # pre-RoPE
+        nr = len(rids)
+        qsum = torch.zeros(nr, nl * hq, d, dtype=torch.float64, device=q.device).index_add_(0, mp["seg"], q)
+        qpair = torch.zeros(nr, nl * hq, d // 2, 3, dtype=torch.float64, device=q.device).index_add_(
+            0, mp["seg"], pair_terms(q, mp["a"], mp["b"]))
+        return rids, qsum.view(nr, nl, hq, d), qpair.view(nr, nl, hq, d // 2, 3), mp["count"]
 
     def result(self) -> dict[str, tuple[Optional[np.ndarray], ...]]:
         """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked);
