@@ -264,10 +264,13 @@ class VTokenWorkerCore:
         elif gran in ("layer", "head"):
             hk = caches[0][0].shape[1]
             layer = sets if gran == "layer" else sets // hk
-            for l_idx, (kv, lay) in enumerate(caches):
-                m = layer == l_idx
-                if bool(m.any()):
-                    lay.move_tokens(kv, src[m], dst[m], heads=None if gran == "layer" else sets[m] % hk)
+            # the moves grouped by layer with one sort and one host read of the counts
+            order = torch.argsort(layer, stable=True)
+            counts = torch.bincount(layer, minlength=len(caches)).tolist()
+            parts = zip(*(t[order].split(counts) for t in (src, dst, sets)))
+            for (kv, lay), (s_, d_, h_), c in zip(caches, parts, counts):
+                if c:
+                    lay.move_tokens(kv, s_, d_, heads=None if gran == "layer" else h_ % hk)
         else:
             raise ValueError(f"vToken: unknown granularity {gran!r}")
 
