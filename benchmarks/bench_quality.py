@@ -197,16 +197,29 @@ class PrefillMemo:
             return self._model(input_ids=input_ids, past_key_values=past_key_values,
                                output_attentions=output_attentions, **kw)
         key = tuple(input_ids[0].tolist())
+        projs = [m for name, m in self._model.named_modules() if name.endswith("self_attn.q_proj")]
         if key not in self._memo:
-            out = self._model(input_ids=input_ids, past_key_values=past_key_values, output_attentions=True, **kw)
+            # the queries too (Expected Attention's oracle reads them through forward hooks on q_proj)
+            qs: list = [None] * len(projs)
+            hooks = [m.register_forward_hook(lambda _m, _i, o, j=j: qs.__setitem__(j, o.detach().clone()))
+                     for j, m in enumerate(projs)]
+            try:
+                out = self._model(input_ids=input_ids, past_key_values=past_key_values, output_attentions=True,
+                                  **kw)
+            finally:
+                for h in hooks:
+                    h.remove()
             kv = [(layer.keys.clone(), layer.values.clone()) for layer in past_key_values.layers]
             while len(self._memo) >= self._keep:
                 self._memo.pop(next(iter(self._memo)))
-            self._memo[key] = (kv, out)
+            self._memo[key] = (kv, out, qs)
         else:
-            kv, out = self._memo[key]
+            kv, out, qs = self._memo[key]
             for i, (k, v) in enumerate(kv):
                 past_key_values.update(k.clone(), v.clone(), i)
+            for m, q in zip(projs, qs):  # replay the q_proj outputs to whatever hooks the caller holds
+                for hook in list(m._forward_hooks.values()):
+                    hook(m, (), q)
         from types import SimpleNamespace
 
         return SimpleNamespace(logits=out.logits, attentions=out.attentions if output_attentions else None)

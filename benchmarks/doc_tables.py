@@ -229,6 +229,35 @@ def quality_granularity_table(name: str = "quality_granularity.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+def quality_keyonly_table(name: str = "quality_keyonly.json", attn: str = "quality_granularity.json") -> str:
+    """``bench_quality.py --keyonly``: per key-only policy and budget (head token sets, fixed
+    pacing), ΔNLL and next-token agreement over all its conversations and over the first ``n``
+    that the ``--granularity`` run finished, beside that run's attention-scored policies at head
+    sets (the same conversations, in the same order)."""
+    ko, at = _load(name)["oracle"], _load(attn)["oracle"]
+    n = max(r["n"] for r in at["summary"])
+    full = {r["conv"]: r["nll"] for r in ko["rows"] if r["policy"] == "full"}
+
+    def first(pol, b):
+        rs = [r for r in ko["rows"] if r["policy"] == pol and r["budget"] == b and r["conv"] < n]
+        return (sum(r["nll"] - full[r["conv"]] for r in rs) / len(rs), sum(r["agree_full"] for r in rs) / len(rs))
+
+    n_all = max(r["n"] for r in ko["summary"])
+    rows = [f"| policy | budget | ΔNLL / agreement, {n_all} conversations | ΔNLL / agreement, first {n} |",
+            "|---|---|---|---|"]
+    for b in ko["config"]["budgets"]:
+        for pol in ko["config"]["policies"]:
+            s = next(r for r in ko["summary"] if r["policy"] == pol and r["budget"] == b)
+            d, a = first(pol, b)
+            rows.append(f"| {pol} | {b} | {s['delta_nll']:+.3f} / {s['agree_full'] * 100:.1f} % | "
+                        f"{d:+.3f} / {a * 100:.1f} % |")
+        for pol in at["config"]["policies"]:
+            s = next(r for r in at["summary"] if (r["policy"], r["budget"], r["pacing"], r.get("granularity"))
+                     == (pol, b, "fixed", "head"))
+            rows.append(f"| {pol} (attention-scored) | {b} | - | {s['delta_nll']:+.3f} / {s['agree_full'] * 100:.1f} % |")
+    return "\n".join(rows) + "\n"
+
+
 PREFIX_ARMS = (("stock", "stock vLLM"), ("vtoken", "vToken H2O (keeps its hit)"),
                ("vtoken_tova", "vToken TOVA (copies its hit)"),
                ("vtoken_skip", "vToken H2O, `prefix_hits: skip`"),
@@ -323,7 +352,8 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
           "prefix_cache_table": prefix_cache_table, "longest_prompt_table": longest_prompt_table,
-          "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table}
+          "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table,
+          "quality_keyonly_table": quality_keyonly_table}
 
 
 if __name__ == "__main__":

@@ -814,6 +814,7 @@ def test_benchmarks_readme_step_cost_per_policy_figures():
                                             "evict-scissorhands@worker")]
     assert f"any attention-scored policy ({min(attn):.2f}-{max(attn):.2f}x)" in text
     assert f"brings it to {r['evict-keydiff@worker']['ratio_median']:.2f}x here" in text
+    assert f"of every step to {r['evict-expected_attention@worker']['ratio_median']:.2f}x" in text
     la = [x["load_average_1m"] for x in d["runs"]]
     assert f"load average {min(la):.1f}-{max(la):.1f} while it ran" in text
 
@@ -866,3 +867,20 @@ def test_results_quality_prefill_figures_match_result():
     assert f"agreement at most {drop:.3f} lower" in sec
     assert dnll[worst] <= 0.03 and "within 0.03" in " ".join(_config_doc().split())
     assert f"({c['prompt_len'] / (min(c['budgets']) + c['prefill_chunk']):.1f}x fewer at budget {min(c['budgets'])})" in sec
+
+
+def test_benchmarks_readme_key_only_quality_figures():
+    """The ΔNLL figures quoted above the key-only quality table are the results' (40
+    conversations of --keyonly; H2O's from the --granularity run's head sets)."""
+    ko = {(r["policy"], r["budget"]): r for r in json.loads((RESULTS / "quality_keyonly.json").read_text())
+          ["oracle"]["summary"]}
+    gr = json.loads((RESULTS / "quality_granularity.json").read_text())["oracle"]["summary"]
+    h2o = {r["budget"]: r for r in gr if r["policy"] == "h2o" and r.get("granularity") == "head"
+           and r["pacing"] == "fixed"}
+    text = " ".join(BENCH_DOC.read_text().split())
+    assert (f"Expected Attention is the best of them (+{ko[('expected_attention', 128)]['delta_nll']:.3f} nats over "
+            f"40 conversations, H2O +{h2o[128]['delta_nll']:.3f} over 21), KeyDiff "
+            f"+{ko[('keydiff', 128)]['delta_nll']:.3f}, K-norm +{ko[('knorm', 128)]['delta_nll']:.3f}") in text
+    assert (f"Expected Attention is within +{ko[('expected_attention', 512)]['delta_nll']:.3f} of the full cache"
+            in text)
+    assert f"H2O +{h2o[512]['delta_nll']:.3f}), KeyDiff +{ko[('keydiff', 512)]['delta_nll']:.3f}" in text

@@ -366,6 +366,9 @@ class QueryMoments:
 
         keep = torch.from_numpy(positions >= QUERY_SKIP)
         for i, out in enumerate(self.captured):
+            if out is None:
+                raise RuntimeError(f"oracle_generate: layer {i}'s q_proj did not run in this forward (a model wrapper "
+                                   "that skips the model's forward must replay q_proj's output to its hooks)")
             q = out[0].reshape(-1, self.hq, self.d).to(torch.float64).cpu()[keep]  # [q', Hq, D]
             self.qsum[i] += q.sum(dim=0)
             self.qouter[i] += torch.einsum("thd,the->hde", q, q)
