@@ -336,7 +336,9 @@ class QueryMoments:
     """Expected Attention's query statistics in the oracle: per layer and query head, the sums of
     the pre-RoPE queries and of their outer products (the **full** ``D x D`` second moment; the
     engine keeps RoPE pairs only), from a forward hook on each layer's ``self_attn.q_proj``
-    (pre-RoPE by construction), queries at logical positions below ``QUERY_SKIP`` left out.
+    (pre-RoPE by construction in Llama-style models; a model that normalizes queries between
+    ``q_proj`` and RoPE, as Qwen3 does, would need the hook after the norm), queries at logical
+    positions below ``QUERY_SKIP`` left out.
 
     Raises:
         ValueError: the model has no ``self_attn.q_proj`` modules.

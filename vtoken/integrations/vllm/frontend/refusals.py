@@ -149,7 +149,7 @@ def rope_problem(hf_text_config: Any) -> Optional[str]:
         return f"rope_parameters = {params!r} (one RoPE per layer type)"
     if theta is None and not (isinstance(params, dict) and params.get("rope_theta") is not None):
         return "no rotary position embedding (rope_theta)"
-    kind = (params or {}).get("rope_type", (params or {}).get("type", "default")) if isinstance(params, dict) else "default"
+    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
     if kind not in ("default", "llama3"):
         return f"rope_type = {kind!r}"
     partial = _get(hf_text_config, "partial_rotary_factor")

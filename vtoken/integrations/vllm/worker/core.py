@@ -161,9 +161,9 @@ class VTokenWorkerCore:
                 res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
                 st = core.step
                 if st is not None and attn_metadata is not None and kv_cache.numel() > 0:
+                    per_layer = st.grans or st.needs_keys or st.moment_rows
                     st.accumulate(_impl, query, kv_cache, attn_metadata, core.layout_for(lyr, kv_cache),
-                                  layer_index=core.layer_index(kv_cache) if st.grans or st.needs_keys or st.moment_rows else None,
-                                  key=key)
+                                  layer_index=core.layer_index(kv_cache) if per_layer else None, key=key)
                 return res
 
             impl.forward = fwd

@@ -148,6 +148,10 @@ class _Group:
             self.moments = [torch.zeros(n, *qsum.shape[1:], dtype=torch.float64, device=dev),
                             torch.zeros(n, *qpair.shape[1:], dtype=torch.float64, device=dev),
                             torch.zeros(n, dtype=torch.int64, device=dev)]
+            per_row = sum(t[0].numel() * t.element_size() for t in self.moments)
+            logger.info("vToken: %s keeps query moments per request row: %d bytes (%.2f MiB; %d rows now, more "
+                        "as requests arrive; outside the KV cache's memory)", self.policy.name, per_row,
+                        per_row / 2**20, n)
         for t, x in zip(self.moments, (qsum, qpair, count)):
             t.index_add_(0, rows, x.to(t.device, t.dtype))
 
@@ -181,6 +185,8 @@ class WorkerDecisions:
     allocated on the first request of that policy and logged with its share of the KV cache. The
     engine's own policy's is counted against the KV cache's memory at start-up
     (:func:`reserve_side_cache`); a request's other policy or granularity comes on top.
+    Expected Attention also keeps its query moments per request row (``_Group.moments``, logged
+    when made), outside that reservation.
     """
 
     def __init__(self, num_blocks: int, block_size: int, device: torch.device | str, kv_bytes: int = 0,
