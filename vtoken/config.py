@@ -175,7 +175,7 @@ class VTokenConfig(BaseModel):
     prefix_hits: Literal["protect", "skip"] = Field(
         "protect",
         description="with vLLM prefix caching on, for a request that may evict and whose policy needs statistics of "
-        "the prompt tokens a hit skips (h2o; under decide_on worker also snapkv and knorm): protect: it reads its hit and never evicts the hit's "
+        "the prompt tokens a hit skips (h2o; under decide_on worker also snapkv, knorm and expected_attention): protect: it reads its hit and never evicts the hit's "
         "tokens (its tokens can then differ from a run without the cache); skip: it does not read the prefix "
         "cache (vLLM's Request.skip_reading_prefix_cache): it computes its whole prompt, its tokens never depend "
         "on the cache, and its blocks are still cached for other requests. Other requests read their hits and "
