@@ -34,6 +34,8 @@ Usage::
 
     python benchmarks/bench_sla.py --small                       # h2o; stock / naive / vtoken
     python benchmarks/bench_sla.py --policies h2o random scissorhands --rates 0.25 0.5 1 2 3
+    python benchmarks/bench_sla.py --policies h2o@worker tova@worker snapkv@worker keydiff@worker \
+        knorm@worker expected_attention@worker --name sla_at_quality   # issue 26: decide_on worker arms
 """
 
 from __future__ import annotations
@@ -273,16 +275,21 @@ def sla_rate(rates: list[float], att: list[float | None], thr: float) -> float |
 
 def build_arms(policies: list[str], budget: int, pacings: list[str], seqs: list[int | None]) -> list[tuple[str, dict | None, int | None]]:
     """(name, vtoken config or None, --max-num-seqs) per arm. A policy spec is ``NAME`` or
-    ``NAME:seK`` (``score_every = K``). Per spec: Naive-Evict, then vToken per pacing."""
+    ``NAME:seK`` (``score_every = K``), either with ``@worker`` appended (``decide_on: worker``,
+    which the key-only policies and SnapKV need; its Naive-Evict arm decides on the worker too).
+    Per spec: Naive-Evict, then vToken per pacing."""
     arms: list[tuple[str, dict | None]] = [("stock", None)]
     for spec in policies:
+        spec, at, where = spec.partition("@")
+        if at and where != "worker":
+            raise SystemExit(f"--policies {spec}@{where}: allowed: NAME, NAME:seK, NAME@worker, NAME:seK@worker")
         name, _, opt = spec.partition(":")
-        extra: dict = {}
+        extra: dict = {"decide_on": "worker"} if at else {}
         if opt:
             if not opt.startswith("se") or not opt[2:].isdigit():
                 raise SystemExit(f"--policies {spec!r}: allowed: NAME or NAME:seK (score_every K)")
             extra["score_every"] = int(opt[2:])
-        tag = name + (f"-{opt}" if opt else "")
+        tag = name + (f"-{opt}" if opt else "") + ("-worker" if at else "")  # ("@" marks --max-num-seqs)
         arms.append((f"naive-{tag}", {"mode": "naive", "policy": name, "budget": budget, **extra}))
         for pc in pacings:
             arms.append((f"vtoken-{tag}" + ("" if pc == "fixed" else f"-{pc}"),
