@@ -35,7 +35,8 @@ Usage::
     python benchmarks/bench_sla.py --small                       # h2o; stock / naive / vtoken
     python benchmarks/bench_sla.py --policies h2o random scissorhands --rates 0.25 0.5 1 2 3
     python benchmarks/bench_sla.py --policies h2o@worker tova@worker snapkv@worker keydiff@worker \
-        knorm@worker expected_attention@worker --name sla_at_quality   # issue 26: decide_on worker arms
+        knorm@worker --budget 128 --num-prompts 40 --rates 0.25 0.375 0.5 0.75 1 1.25 1.5 \
+        --search bisect --name sla_at_quality        # issue 26: decide_on worker arms, SLA at a quality
 """
 
 from __future__ import annotations
@@ -265,12 +266,34 @@ def attainment(reqs: list[tuple[float, float, int]], slo: dict, k_ttft: float | 
 
 
 def sla_rate(rates: list[float], att: list[float | None], thr: float) -> float | None:
+    """The highest measured rate reaching ``thr`` attainment below the lowest measured rate that
+    does not (``None`` when the lowest measured rate misses). ``rates`` are the measured rates,
+    in any order; under ``--search sweep`` every grid rate is measured, so this is "the highest
+    rate such that it and every lower rate pass"."""
     best = None
     for r, a in sorted(zip(rates, att)):
         if a is None or a < thr:
             break
         best = r
     return best
+
+
+def bisect_rates(rates: list[float], passes) -> list[float]:
+    """``--search bisect``: binary search for the knee on the sorted grid ``rates``, assuming
+    attainment falls as the rate rises. ``passes(rate) -> bool`` runs one load; returns the
+    rates measured, in order. At most ``ceil(log2(len(rates) + 1))`` loads; afterwards the
+    knee's two neighbouring grid rates are both measured (the highest passing and the lowest
+    missing), except at the ends of the grid (every rate passes, or the lowest misses)."""
+    grid = sorted(rates)
+    lo, hi, done = -1, len(grid), []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        done.append(grid[mid])
+        if passes(grid[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return done
 
 
 def build_arms(policies: list[str], budget: int, pacings: list[str], seqs: list[int | None]) -> list[tuple[str, dict | None, int | None]]:
@@ -341,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-from", default=None,
                     help="take the SLOs (and unloaded reference) from an earlier summary JSON instead of this run's stock arm")
     ap.add_argument("--arms", nargs="+", default=None, help="run only these arms (e.g. vtoken-h2o); use with --slo-from")
+    ap.add_argument("--search", choices=["sweep", "bisect"], default="sweep",
+                    help="sweep: every rate of --rates on every arm; bisect: a binary search per arm for its "
+                         "knee on the --rates grid (at most ceil(log2(n + 1)) loads; assumes attainment falls "
+                         "as the rate rises; unmeasured rates show as '-')")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
 
@@ -379,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                     block_size=a.block_size, pool_tokens=a.pool_blocks * a.block_size, max_model_len=a.max_model_len,
                     rates=rates, num_prompts=num_prompts, output_len=out_len, unloaded_prompts=unloaded_prompts,
                     k_ttft=a.k_ttft, k_tpot=a.k_tpot, attainment_threshold=a.attain, threads=a.threads,
+                    search=a.search,
                     dataset=str(dataset), model=str(model_dir)),
         load_tool="vllm.benchmarks.serve (vllm bench serve), in process; argv recorded per run",
         arms={}, commands=[])
@@ -394,69 +422,82 @@ def main(argv: list[str] | None = None) -> int:
                      max_model_len=a.max_model_len, block_size=a.block_size, threads=a.threads, max_num_seqs=nseq)
         rec["server_cmd"] = " ".join(srv.cmd[:1] + [repr(c) if " " in c else c for c in srv.cmd[1:]])
         summary["commands"].append(f"OMP_NUM_THREADS={a.threads} " + rec["server_cmd"])
-        with srv:
-            rec["server_startup_s"] = round(srv.startup_s, 1)
-            # Unloaded latency: one request at a time (max concurrency 1), same workload shape.
-            ua = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=unloaded_prompts,
-                            rate=float("inf"), out_len=out_len, result_dir=rdir, filename=f"{arm}_unloaded.json",
-                            goodput=None, max_concurrency=1)
-            t0 = time.time()
-            ures = run_bench(ua)
-            ureqs = per_request(ures)
-            fa, fb = fit_ttft(ureqs)
-            rec["unloaded"] = dict(argv="vllm " + " ".join(ua), wall_s=round(time.time() - t0, 1),
-                                   p50_ttft_ms=ures["median_ttft_ms"], p50_tpot_ms=ures["median_tpot_ms"],
-                                   mean_ttft_ms=ures["mean_ttft_ms"], mean_tpot_ms=ures["mean_tpot_ms"],
-                                   ttft_fit_a_ms=round(fa, 2), ttft_fit_b_ms_per_token=round(fb, 4),
-                                   per_request_ttft_tpot_ms_prompt=[[round(x, 2), round(y, 2), n] for x, y, n in ureqs])
-            summary["commands"].append(rec["unloaded"]["argv"])
-            bar.update(1)
-            if slo is None:  # the stock arm runs first: its unloaded latency fixes the SLOs
-                slo = dict(ttft_a_ms=round(fa, 2), ttft_b_ms_per_token=round(fb, 4), k_ttft=a.k_ttft,
-                           tpot_ms=round(a.k_tpot * ures["median_tpot_ms"], 1), k_tpot=a.k_tpot, from_arm=arm,
-                           unloaded_p50_ttft_ms=ures["median_ttft_ms"], unloaded_p50_tpot_ms=ures["median_tpot_ms"],
-                           rule="a request is good when TTFT <= k_ttft x (a + b x its prompt tokens) and its mean "
-                                "TPOT <= tpot_ms; a, b: least-squares fit of the stock arm's unloaded TTFT")
-                summary["slo"] = slo
-            for r in rates:
-                ra = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=num_prompts,
-                                rate=r, out_len=out_len, result_dir=rdir, filename=f"{arm}_rate{r:g}.json",
-                                goodput=slo)
-                m0 = scrape(a.port)
-                poll = Poller(a.port)
-                poll.start()
+        try:
+            with srv:
+                rec["server_startup_s"] = round(srv.startup_s, 1)
+                # Unloaded latency: one request at a time (max concurrency 1), same workload shape.
+                ua = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=unloaded_prompts,
+                                rate=float("inf"), out_len=out_len, result_dir=rdir, filename=f"{arm}_unloaded.json",
+                                goodput=None, max_concurrency=1)
                 t0 = time.time()
-                res = run_bench(ra)
-                wall = time.time() - t0
-                gauges = poll.stop()
-                m1 = scrape(a.port)
-                reqs = per_request(res)
-                att = attainment(reqs, slo)
-                good = sum(1 for t, p, n in reqs if t <= ttft_slo_ms(slo, n) and p <= slo["tpot_ms"])
-                vt_delta = {k: round(m1[k] - m0.get(k, 0.0), 4) for k in m1
-                            if k.startswith("vtoken") and k.endswith("_total")}
-                run = dict(rate=r, argv="vllm " + " ".join(ra), wall_s=round(wall, 1),
-                           completed=res["completed"], failed=res.get("failed", 0),
-                           duration_s=res["duration"], request_throughput=res["request_throughput"],
-                           request_goodput=good / res["duration"] if res["duration"] else 0.0,
-                           vllm_request_goodput_tpot_only=res["request_goodput"],
-                           output_throughput=res["output_throughput"], attainment=att,
-                           p50_ttft_ms=res["median_ttft_ms"], p99_ttft_ms=res["p99_ttft_ms"],
-                           p50_tpot_ms=res["median_tpot_ms"], p99_tpot_ms=res["p99_tpot_ms"],
-                           p99_itl_ms=res["p99_itl_ms"], p99_e2el_ms=res["p99_e2el_ms"],
-                           preemptions=m1.get("vllm:num_preemptions_total", 0) - m0.get("vllm:num_preemptions_total", 0),
-                           vtoken_counters=vt_delta,
-                           per_request_ttft_tpot_ms_prompt=[[round(x, 2), round(y, 2), n] for x, y, n in reqs],
-                           load_average_1m=os.getloadavg()[0], **gauges)
-                rec["runs"].append(run)
-                summary["commands"].append(run["argv"])
+                ures = run_bench(ua)
+                ureqs = per_request(ures)
+                fa, fb = fit_ttft(ureqs)
+                rec["unloaded"] = dict(argv="vllm " + " ".join(ua), wall_s=round(time.time() - t0, 1),
+                                       p50_ttft_ms=ures["median_ttft_ms"], p50_tpot_ms=ures["median_tpot_ms"],
+                                       mean_ttft_ms=ures["mean_ttft_ms"], mean_tpot_ms=ures["mean_tpot_ms"],
+                                       ttft_fit_a_ms=round(fa, 2), ttft_fit_b_ms_per_token=round(fb, 4),
+                                       per_request_ttft_tpot_ms_prompt=[[round(x, 2), round(y, 2), n] for x, y, n in ureqs])
+                summary["commands"].append(rec["unloaded"]["argv"])
                 bar.update(1)
-                bar.write(f"{arm:>24} rate {r:g}: attain {att:.2f} goodput {run['request_goodput']:.3f} "
-                          f"p99 ttft {res['p99_ttft_ms']:.0f} tpot {res['p99_tpot_ms']:.0f} ms "
-                          f"preempt {run['preemptions']:.0f} kv max {gauges.get('kv_cache_usage_perc_max')} "
-                          f"load {run['load_average_1m']:.1f}")
-            rec["server_log_vtoken_lines"] = [l for l in srv.tail(4000).splitlines() if "vtoken" in l.lower()][-5:]
-        rec["sla_rate"] = sla_rate(rates, [x["attainment"] for x in rec["runs"]], a.attain)
+                if slo is None:  # the stock arm runs first: its unloaded latency fixes the SLOs
+                    slo = dict(ttft_a_ms=round(fa, 2), ttft_b_ms_per_token=round(fb, 4), k_ttft=a.k_ttft,
+                               tpot_ms=round(a.k_tpot * ures["median_tpot_ms"], 1), k_tpot=a.k_tpot, from_arm=arm,
+                               unloaded_p50_ttft_ms=ures["median_ttft_ms"], unloaded_p50_tpot_ms=ures["median_tpot_ms"],
+                               rule="a request is good when TTFT <= k_ttft x (a + b x its prompt tokens) and its mean "
+                                    "TPOT <= tpot_ms; a, b: least-squares fit of the stock arm's unloaded TTFT")
+                    summary["slo"] = slo
+                def run_rate(r: float) -> bool:
+                    ra = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=num_prompts,
+                                    rate=r, out_len=out_len, result_dir=rdir, filename=f"{arm}_rate{r:g}.json",
+                                    goodput=slo)
+                    m0 = scrape(a.port)
+                    poll = Poller(a.port)
+                    poll.start()
+                    t0 = time.time()
+                    res = run_bench(ra)
+                    wall = time.time() - t0
+                    gauges = poll.stop()
+                    m1 = scrape(a.port)
+                    reqs = per_request(res)
+                    att = attainment(reqs, slo)
+                    good = sum(1 for t, p, n in reqs if t <= ttft_slo_ms(slo, n) and p <= slo["tpot_ms"])
+                    vt_delta = {k: round(m1[k] - m0.get(k, 0.0), 4) for k in m1
+                                if k.startswith("vtoken") and k.endswith("_total")}
+                    run = dict(rate=r, argv="vllm " + " ".join(ra), wall_s=round(wall, 1),
+                               completed=res["completed"], failed=res.get("failed", 0),
+                               duration_s=res["duration"], request_throughput=res["request_throughput"],
+                               request_goodput=good / res["duration"] if res["duration"] else 0.0,
+                               vllm_request_goodput_tpot_only=res["request_goodput"],
+                               output_throughput=res["output_throughput"], attainment=att,
+                               p50_ttft_ms=res["median_ttft_ms"], p99_ttft_ms=res["p99_ttft_ms"],
+                               p50_tpot_ms=res["median_tpot_ms"], p99_tpot_ms=res["p99_tpot_ms"],
+                               p99_itl_ms=res["p99_itl_ms"], p99_e2el_ms=res["p99_e2el_ms"],
+                               preemptions=m1.get("vllm:num_preemptions_total", 0) - m0.get("vllm:num_preemptions_total", 0),
+                               vtoken_counters=vt_delta,
+                               per_request_ttft_tpot_ms_prompt=[[round(x, 2), round(y, 2), n] for x, y, n in reqs],
+                               load_average_1m=os.getloadavg()[0], **gauges)
+                    rec["runs"].append(run)
+                    summary["commands"].append(run["argv"])
+                    bar.update(1)
+                    bar.write(f"{arm:>24} rate {r:g}: attain {att:.2f} goodput {run['request_goodput']:.3f} "
+                              f"p99 ttft {res['p99_ttft_ms']:.0f} tpot {res['p99_tpot_ms']:.0f} ms "
+                              f"preempt {run['preemptions']:.0f} kv max {gauges.get('kv_cache_usage_perc_max')} "
+                              f"load {run['load_average_1m']:.1f}")
+                    return att is not None and att >= a.attain
+
+                if a.search == "bisect":
+                    bisect_rates(rates, run_rate)
+                    bar.update(len(rates) - len(rec["runs"]))
+                else:
+                    for r in rates:
+                        run_rate(r)
+                rec["runs"].sort(key=lambda x: x["rate"])
+                rec["server_log_vtoken_lines"] = [l for l in srv.tail(4000).splitlines() if "vtoken" in l.lower()][-5:]
+        except Exception as e:  # one arm that fails (its server, a load) does not lose the others
+            rec["error"] = repr(e)
+            bar.write(f"{arm}: FAILED {e!r}; see {rdir / (arm + '.server.log')}")
+        rec["sla_rate"] = sla_rate([x["rate"] for x in rec["runs"]], [x["attainment"] for x in rec["runs"]], a.attain)
         summary["arms"][arm] = rec
         (RESULTS / f"{name}.partial.json").write_text(json.dumps(summary, indent=1))
     bar.close()
@@ -502,7 +543,8 @@ def report(summary: dict, rates: list[float]) -> None:
           f"TPOT <= {s['tpot_ms']:.1f} ms; attainment >= {summary['config']['attainment_threshold']:.0%}")
     print(f"{'arm':>24} | " + " | ".join(f"r={r:g}" for r in rates) + " | SLA rate | preempt")
     for arm, rec in summary["arms"].items():
-        cells = " | ".join(f"{x['attainment']:.2f}" for x in rec["runs"])
+        by = {x["rate"]: x["attainment"] for x in rec["runs"]}
+        cells = " | ".join("-" if r not in by else "n/a" if by[r] is None else f"{by[r]:.2f}" for r in rates)
         print(f"{arm:>24} | {cells} | {rec['sla_rate']} | {summary['headline']['per_arm'][arm]['preemptions']:.0f}")
     for arm, r in summary["headline"]["ratios"].items():
         print(f"{arm}: SLA rate / {r['vs']} = {r['vtoken_over_naive']}; peak goodput / {r['vs']} = {r['peak_goodput_over_naive']}")
@@ -518,7 +560,7 @@ def k_grid(summary: dict, rates: list[float], thr: float) -> dict:
             for arm, rec in summary["arms"].items():
                 att = [attainment([tuple(q) for q in x["per_request_ttft_tpot_ms_prompt"]], slo, kt, kp)
                        for x in rec["runs"]]
-                row[arm] = sla_rate(rates, att, thr)
+                row[arm] = sla_rate([x["rate"] for x in rec["runs"]], att, thr)
             grid[f"k_ttft={kt},k_tpot={kp}"] = row
     return grid
 
@@ -532,6 +574,8 @@ def combine(argv: list[str]) -> int:
     slo = base["slo"]
     thr = base["config"]["attainment_threshold"]
     rates = base["config"]["rates"]
+    if any(r["config"].get("search", "sweep") != "sweep" for r in runs):
+        raise SystemExit("--combine: only --search sweep runs can be pooled (a bisect run measures other rates per arm)")
     for r in runs[1:]:
         if (r["slo"]["ttft_a_ms"], r["slo"]["ttft_b_ms_per_token"], r["slo"]["tpot_ms"]) != (
                 slo["ttft_a_ms"], slo["ttft_b_ms_per_token"], slo["tpot_ms"]) or r["config"]["rates"] != rates:
