@@ -616,12 +616,19 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    # one colour per policy spec; the line style says the arm: Naive-Evict dashed, vToken fixed
+    # solid, vToken pressure dash-dotted, stock black dotted
+    tags: dict[str, str] = {}
     for arm, rec in summary["arms"].items():
+        tag = arm.split("-", 1)[1].removesuffix("-pressure") if "-" in arm else arm
+        color = "black" if arm.startswith("stock") else tags.setdefault(tag, f"C{len(tags) % 10}")
+        style = ("-." if arm.endswith("-pressure") else "-") if arm.startswith("vtoken") else (
+            "--" if arm.startswith("naive") else ":")
         rs = [x["rate"] for x in rec["runs"]]
-        style = "-" if arm.startswith("vtoken") else ("--" if arm.startswith("naive") else ":")
-        ax1.plot(rs, [x["request_goodput"] for x in rec["runs"]], style, marker="o", label=arm)
-        ax2.plot(rs, [x["attainment"] for x in rec["runs"]], style, marker="o", label=arm)
-        ax3.plot(rs, [x["request_throughput"] for x in rec["runs"]], style, marker="o", label=arm)
+        kw = dict(color=color, marker="o", ms=4, label=arm)
+        ax1.plot(rs, [x["request_goodput"] for x in rec["runs"]], style, **kw)
+        ax2.plot(rs, [x["attainment"] for x in rec["runs"]], style, **kw)
+        ax3.plot(rs, [x["request_throughput"] for x in rec["runs"]], style, **kw)
     rs = summary["config"]["rates"]
     ax1.plot(rs, rs, color="grey", lw=0.5, label="offered rate")
     ax1.set_xlabel("request rate (req/s)")
@@ -636,7 +643,7 @@ def plot(summary: dict, path: Path) -> None:
     fig.suptitle(f"SmolLM2-135M bf16, CPU x{summary['machine']['cpu_count']}, pool {c['pool_blocks']}x{c['block_size']} tok, "
                  f"budget {c['budget']}, out {c['output_len']}; SLO TTFT {s['k_ttft']:g} x ({s['ttft_a_ms']:.0f} ms + "
                  f"{s['ttft_b_ms_per_token']:.2f} ms/prompt token), TPOT {s['tpot_ms']:.0f} ms", fontsize=9)
-    ax1.legend(fontsize=8)
+    ax3.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

@@ -339,6 +339,152 @@ def quality_prefill_table(name: str = "quality_prefill.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+#: quality of each SLA-at-quality policy: the 40-conversation runs of ``bench_quality.py``, fixed
+#: pacing at the policy's default token sets under ``decide_on: worker`` (the SLA arms' settings):
+#: ``--prefill`` (its ``chunks`` arm, the worker's default ``prefill_eviction``) for the
+#: attention-scored policies, ``--keyonly`` for the key-only ones
+SLA_QUALITY_FILES = (("quality_prefill.json", {"prefill_eviction": "chunks"}),
+                     ("quality_keyonly.json", {"granularity": "head"}))
+KEY_ONLY = ("knorm", "keydiff", "expected_attention")
+
+
+def sla_quality(policy: str, budget: int) -> tuple[dict, str] | tuple[None, None]:
+    """``(summary row, file name)`` of ``policy`` at ``budget`` in ``SLA_QUALITY_FILES``."""
+    for name, match in SLA_QUALITY_FILES:
+        for s in _load(name)["oracle"]["summary"]:
+            if (s["policy"], s["budget"], s.get("pacing")) == (policy, budget, "fixed") and all(
+                    s.get(k) == v for k, v in match.items()):
+                return s, name
+    return None, None
+
+
+def _sla_cell(arm: dict, grid: list[float]) -> str:
+    r = arm.get("sla_rate")
+    if not arm:
+        return "not run"
+    if "error" in arm:
+        return "failed"
+    return f"< {min(grid):g}" if r is None else (f"≥ {r:g}" if r == max(grid) else f"{r:g}")
+
+
+def _sla_ratio(v: float | None, n: float | None, grid: list[float]) -> str:
+    """vToken's SLA rate over Naive-Evict's; a bound where one of them is off the grid."""
+    if v is None:
+        return "-" if n is None else f"< {min(grid) / n:.2f}x"
+    if n is None:
+        return f"> {v / min(grid):.2f}x"
+    return f"{'≥ ' if v == max(grid) else ''}{v / n:.2f}x"
+
+
+def sla_at_quality_rows(name: str = "sla_at_quality.json") -> list[dict]:
+    """Per policy of a ``bench_sla.py`` run: its quality at the run's budget (``sla_quality``), the
+    SLA rate (req/s) of its Naive-Evict arm and of each vToken arm, and peak goodputs."""
+    d = _load(name)
+    arms, grid, budget = d["arms"], d["config"]["rates"], d["config"]["budget"]
+    out = []
+    for spec in d["config"]["policies"]:
+        pol, _, where = spec.partition("@")
+        tag = pol.replace(":", "-") + ("-worker" if where else "")
+        q, qfile = sla_quality(pol, budget)
+        row = dict(policy=pol, quality=q, quality_file=qfile, naive=arms.get(f"naive-{tag}", {}), vtoken={})
+        for pc in d["config"]["pacings"]:
+            row["vtoken"][pc] = arms.get(f"vtoken-{tag}" + ("" if pc == "fixed" else f"-{pc}"), {})
+        out.append(row)
+    return out
+
+
+def sla_common_rate(d: dict) -> float:
+    """The highest rate every arm of a ``bench_sla.py`` run measured (under ``--search bisect``,
+    the grid's middle rate: every search starts there), for side-by-side figures at one load."""
+    common = set.intersection(*({x["rate"] for x in a["runs"]} for a in d["arms"].values()))
+    return max(common)
+
+
+def _kv_at(arm: dict, rate: float) -> str:
+    x = next((x for x in arm.get("runs", []) if x["rate"] == rate), None)
+    return "-" if x is None or x["kv_cache_usage_perc_mean"] is None else f"{x['kv_cache_usage_perc_mean'] * 100:.0f} %"
+
+
+def sla_at_quality_table(name: str = "sla_at_quality.json") -> str:
+    """README "Results": per policy, quality at the SLA run's budget beside each arm's SLA rate
+    (the highest request rate at which 90 % of requests meet both SLOs), vToken's SLA rate over
+    its own Naive-Evict arm's, and each arm's mean KV-cache use at the rate every arm measured.
+    Stock vLLM (no eviction) on the first row."""
+    d = _load(name)
+    grid, b, pcs = d["config"]["rates"], d["config"]["budget"], d["config"]["pacings"]
+    rc = sla_common_rate(d)
+    arms = "Naive-Evict / " + " / ".join(f"vToken {pc}" for pc in pcs)
+    rows = [f"| policy | ΔNLL / agreement at budget {b} | SLA rate (req/s): {arms} | vToken / Naive-Evict "
+            f"| mean KV-cache use at {rc:g} req/s: {arms} |", "|---|---|---|---|---|"]
+    stock = d["arms"]["stock"]
+    rows.append(f"| stock vLLM (no eviction) | 0 / 100 % | {_sla_cell(stock, grid)} | | {_kv_at(stock, rc)} |")
+    for r in sla_at_quality_rows(name):
+        q = r["quality"]
+        qc = "not measured" if q is None else f"{q['delta_nll']:+.3f} / {q['agree_full'] * 100:.1f} %"
+        n = r["naive"].get("sla_rate")
+        sla = " / ".join([_sla_cell(r["naive"], grid)] + [_sla_cell(r["vtoken"][pc], grid) for pc in pcs])
+        ratios = ", ".join(_sla_ratio(r["vtoken"][pc].get("sla_rate"), n, grid) for pc in pcs)
+        kv = " / ".join([_kv_at(r["naive"], rc)] + [_kv_at(r["vtoken"][pc], rc) for pc in pcs])
+        key = " (key-only)" if r["policy"] in KEY_ONLY else ""
+        rows.append(f"| `{r['policy']}`{key} | {qc} | {sla} | {ratios} | {kv} |")
+    return "\n".join(rows) + "\n"
+
+
+def _rate_key(r: float | None) -> float:
+    return -1.0 if r is None else r
+
+
+def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, goal_ratio: float = 1.5) -> str:
+    """README "Results": which policy to pick for which goal, from the SLA-at-quality run and the
+    quality files it names (every figure read from them; ties go to the better quality)."""
+    d = _load(name)
+    grid, b = d["config"]["rates"], d["config"]["budget"]
+    rows = sla_at_quality_rows(name)
+    rated = [r for r in rows if r["quality"] is not None]
+    fmt_q = lambda q: f"ΔNLL {q['delta_nll']:+.3f}, agreement {q['agree_full'] * 100:.1f} %"  # noqa: E731
+
+    def best_arm(r: dict) -> tuple[str, dict]:
+        return max(r["vtoken"].items(), key=lambda kv: _rate_key(kv[1].get("sla_rate")))
+
+    out = ["| goal | pick | measured |", "|---|---|---|"]
+    q = min(rated, key=lambda r: r["quality"]["delta_nll"])
+    pc, arm = best_arm(q)
+    out.append(f"| quality at budget {b} | `{q['policy']}` | {fmt_q(q['quality'])}; SLA rate {_sla_cell(arm, grid)} "
+               f"req/s ({pc} pacing), Naive-Evict {_sla_cell(q['naive'], grid)} |")
+    cands = [("stock vLLM (no eviction)", None, d["arms"]["stock"])] + [
+        (f"`{r['policy']}`, {pc} pacing", r, a) for r in rows for pc, a in r["vtoken"].items()]
+    top = max(cands, key=lambda c: (_rate_key(c[2].get("sla_rate")),
+                                    -(c[1]["quality"]["delta_nll"] if c[1] and c[1]["quality"] else 0.0)))
+    out.append(f"| most requests within the SLOs | {top[0]} | SLA rate {_sla_cell(top[2], grid)} req/s; stock "
+               f"{_sla_cell(d['arms']['stock'], grid)} |")
+    rc = sla_common_rate(d)
+
+    def kv(a: dict) -> float:
+        return next(x["kv_cache_usage_perc_mean"] for x in a["runs"] if x["rate"] == rc)
+
+    lo = min(((r, pc, a) for r in rows for pc, a in r["vtoken"].items()), key=lambda t: kv(t[2]))
+    out.append(f"| least KV cache held at one load ({rc:g} req/s) | `{lo[0]['policy']}`, {lo[1]} pacing | mean "
+               f"{kv(lo[2]) * 100:.0f} % of the pool; its Naive-Evict {kv(lo[0]['naive']) * 100:.0f} %, stock "
+               f"{kv(d['arms']['stock']) * 100:.0f} % |")
+    ko = [s for s in _load("quality_keyonly.json")["oracle"]["summary"] if s["budget"] == b and s["policy"] in KEY_ONLY]
+    k = min(ko, key=lambda s: s["delta_nll"])
+    kr = next((r for r in rows if r["policy"] == k["policy"]), None)
+    sla = "not in this SLA run" if kr is None else f"SLA rate {_sla_cell(best_arm(kr)[1], grid)} req/s"
+    out.append(f"| no attention weights (key-only) | `{k['policy']}` | {fmt_q(k)}; {sla} |")
+    hits = []
+    for r in rated:
+        n = r["naive"].get("sla_rate")
+        for pc, a in r["vtoken"].items():
+            v = a.get("sla_rate")
+            if r["quality"]["delta_nll"] <= goal_dnll and v is not None and (n is None or v / n >= goal_ratio):
+                hits.append(f"`{r['policy']}` {pc} ({_sla_ratio(v, n, grid)})")
+    within = [f"`{r['policy']}`" for r in rated if r["quality"]["delta_nll"] <= goal_dnll]
+    out.append(f"| ΔNLL within {goal_dnll:+.1f} and ≥ {goal_ratio:g}x Naive-Evict's SLA rate | "
+               f"{', '.join(hits) if hits else 'none'} | policies within {goal_dnll:+.1f} at budget {b}: "
+               f"{', '.join(within) if within else 'none'} |")
+    return "\n".join(out) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -353,7 +499,10 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
           "prefix_cache_table": prefix_cache_table, "longest_prompt_table": longest_prompt_table,
           "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table,
-          "quality_keyonly_table": quality_keyonly_table}
+          "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,
+          "sla_pick_table": sla_pick_table,
+          "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
+          "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json")}
 
 
 if __name__ == "__main__":

@@ -884,3 +884,112 @@ def test_benchmarks_readme_key_only_quality_figures():
     assert (f"Expected Attention is within +{ko[('expected_attention', 512)]['delta_nll']:.3f} of the full cache"
             in text)
     assert f"H2O +{h2o[512]['delta_nll']:.3f}), KeyDiff +{ko[('keydiff', 512)]['delta_nll']:.3f}" in text
+
+
+# ----------------------------------------------------------------------------- issue 26: SLA at a quality
+def test_readme_results_lead_with_the_sla_at_quality_tables():
+    """README "Results" opens with the pick table, then the SLA-at-quality table, both rendered
+    from ``results/sla_at_quality.json`` and the quality files; it names the command and quotes
+    the run's time and load averages from the file."""
+    doc_tables = _doc_tables()
+    readme = _readme()
+    sec = readme[readme.index("\n## Results\n"):]
+    sec = sec[: sec.index("\n## ", 5)]
+    assert sec.index("sla_pick_table") < sec.index("sla_at_quality_table")
+    assert _generated(sec, "benchmarks/doc_tables.py sla_pick_table") == doc_tables.sla_pick_table()
+    assert _generated(sec, "benchmarks/doc_tables.py sla_at_quality_table") == doc_tables.sla_at_quality_table()
+    d = _load("sla_at_quality.json")
+    assert d["command"].startswith("python benchmarks/bench_sla.py --policies h2o@worker")
+    assert d["config"]["search"] == "bisect" and d["config"]["num_prompts"] >= 40 and d["config"]["budget"] == 128
+    flat = " ".join(sec.split())
+    assert "`make bench-sla-at-quality`" in flat
+    assert f"{d['total_wall_s'] / 60:.0f} min" in flat
+    loads = [x["load_average_1m"] for a in d["arms"].values() for x in a["runs"]]
+    assert f"load average {min(loads):.1f}-{max(loads):.1f}" in flat
+    # "every fixed-pacing arm's unloaded TPOT is 1.2-1.5x stock's"; "vToken holds about half
+    # Naive-Evict's KV cache at the same load" (mean KV use at the rate every arm measured)
+    stock_tpot = d["arms"]["stock"]["unloaded"]["p50_tpot_ms"]
+    fixed = [a for n, a in d["arms"].items() if n != "stock" and not n.endswith("-pressure")]
+    ratios = [a["unloaded"]["p50_tpot_ms"] / stock_tpot for a in fixed]
+    assert f"unloaded TPOT is {min(ratios):.1f}-{max(ratios):.1f}x stock's" in flat
+    rc = doc_tables.sla_common_rate(d)
+    for r in doc_tables.sla_at_quality_rows():
+        kv = [next(x["kv_cache_usage_perc_mean"] for x in a["runs"] if x["rate"] == rc)
+              for a in (r["vtoken"]["fixed"], r["naive"])]
+        assert 0.4 <= kv[0] / kv[1] <= 0.6, (r["policy"], kv)
+    assert "holds about half Naive-Evict's KV cache at the same load" in flat
+    make = (ROOT / "Makefile").read_text()
+    cmd = make[make.index("\nbench-sla-at-quality:"):].split("\n\n")[0]
+    assert " ".join(cmd.replace("\\\n", " ").split()[3:]) == d["command"].removeprefix("python ")
+
+
+def test_sla_at_quality_quality_cells_are_the_matching_quality_runs():
+    """Each policy's quality cell is its fixed-pacing row at the SLA run's budget, at the token sets
+    and prefill eviction the SLA arms ran with (the policy's default under decide_on: worker)."""
+    doc_tables = _doc_tables()
+    from vtoken.config import VTokenConfig
+    from vtoken.policies import get_policy_class
+
+    d = _load("sla_at_quality.json")
+    for r in doc_tables.sla_at_quality_rows():
+        vt = r["vtoken"]["fixed"]["vtoken"]
+        cfg = VTokenConfig(**vt)
+        assert cfg.decide_on == "worker" and cfg.budget == d["config"]["budget"] == r["quality"]["budget"]
+        assert cfg.granularity is None and cfg.pacing == r["quality"]["pacing"] == "fixed"  # defaults on both sides
+        if r["quality_file"] == "quality_prefill.json":
+            assert r["quality"]["prefill_eviction"] == "chunks"
+            assert cfg.resolved_prefill_eviction() == "chunks"
+        else:
+            assert r["quality_file"] == "quality_keyonly.json" and r["quality"]["granularity"] == "head"
+            assert get_policy_class(r["policy"]).default_granularity() == "head"
+        full = next(s for s in _load(r["quality_file"])["oracle"]["summary"] if s["policy"] == "full")
+        assert abs(r["quality"]["nll"] - full["nll"] - r["quality"]["delta_nll"]) < 1e-9
+
+
+def test_sla_at_quality_section_of_readme_sla_is_generated():
+    doc_tables = _doc_tables()
+    text = (ROOT / "benchmarks" / "README_sla.md").read_text()
+    for name in ("sla_at_quality_table", "sla_at_quality_runs_table", "sla_at_quality_unloaded_table"):
+        assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
+
+
+def test_sla_at_quality_findings_quote_the_result_file():
+    """The figures in README_sla.md's "SLA at a quality" findings equal the run's file."""
+    doc_tables = _doc_tables()
+    text = (ROOT / "benchmarks" / "README_sla.md").read_text()
+    sec = " ".join(text[text.index("## Results: SLA at a quality"):text.index("## Where vToken is ahead")].split())
+    d = _load("sla_at_quality.json")
+    A, rc = d["arms"], doc_tables.sla_common_rate(d)
+    at = {n: next(x for x in a["runs"] if x["rate"] == rc) for n, a in A.items()}
+    un = {n: a["unloaded"]["p50_tpot_ms"] for n, a in A.items()}
+    assert f"{d['total_wall_s']:,.0f} s;" in sec and rc == 0.75
+    assert d["slo"]["tpot_ms"] == 30.0 and f"stock's unloaded {un['stock']:.1f} ms" in sec
+    assert f"preempts {sum(x['preemptions'] for x in A['stock']['runs']):.0f} times" in sec
+    assert f"uses {at['stock']['kv_cache_usage_perc_mean'] * 100:.0f} % of the pool on average at 0.75" in sec
+    assert A["stock"]["sla_rate"] == 0.75 and all(a["sla_rate"] is None or a["sla_rate"] < 0.75
+                                                   for n, a in A.items() if n != "stock")
+
+    def span(names, f, fmt):
+        v = [f(n) for n in names]
+        return f"{fmt.format(min(v))}-{fmt.format(max(v))}"
+
+    fixed = [n for n in A if n != "stock" and not n.endswith("-pressure")]
+    attn = [n for n in fixed if any(p in n for p in ("h2o", "tova", "snapkv"))]
+    keyonly = [n for n in fixed if n not in attn]
+    assert f"take {span(attn, un.get, '{:.1f}')} ms a token" in sec
+    assert f"key-only ones {span(keyonly, un.get, '{:.1f}')} ms" in sec
+    kv = lambda n: at[n]["kv_cache_usage_perc_mean"] * 100  # noqa: E731
+    vt = [n for n in fixed if n.startswith("vtoken-")]
+    nv = [n for n in fixed if n.startswith("naive-")]
+    assert f"{span(vt, kv, '{:.0f}')} % of the pool against {span(nv, kv, '{:.0f}')} %" in sec
+    assert all(sum(x["preemptions"] for x in A[n]["runs"]) == 0 for n in A if n.startswith("vtoken-"))
+    assert f"(Naive-Evict H2O: {sum(x['preemptions'] for x in A['naive-h2o-worker']['runs']):.0f})" in sec
+    assert (f"{at['vtoken-h2o-worker-pressure']['p50_tpot_ms']:.1f} ms with pressure pacing against "
+            f"{at['vtoken-h2o-worker']['p50_tpot_ms']:.1f} ms") in sec
+    ev = lambda n: at[n]["vtoken_counters"]["vtoken:evicted_tokens_total"]  # noqa: E731
+    assert f"({ev('vtoken-keydiff-worker-pressure'):.0f} tokens at 0.75 req/s, against {ev('vtoken-keydiff-worker'):,.0f}" in sec
+    best = max((n for n in A if n != "stock"), key=lambda n: A[n]["sla_rate"] or 0)
+    assert best == "vtoken-keydiff-worker-pressure" and f"best evicting arm ({A[best]['sla_rate']:g} req/s)" in sec
+    rows = {r["policy"]: r for r in doc_tables.sla_at_quality_rows()}
+    assert f"(H2O: {rows['h2o']['quality']['delta_nll']:+.3f})" in sec
+    assert min(r["quality"]["delta_nll"] for r in rows.values()) > 0.3
