@@ -53,6 +53,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -278,7 +279,7 @@ def sla_rate(rates: list[float], att: list[float | None], thr: float) -> float |
     return best
 
 
-def bisect_rates(rates: list[float], passes) -> list[float]:
+def bisect_rates(rates: list[float], passes: Callable[[float], bool]) -> list[float]:
     """``--search bisect``: binary search for the knee on the sorted grid ``rates``, assuming
     attainment falls as the rate rises. ``passes(rate) -> bool`` runs one load; returns the
     rates measured, in order. At most ``ceil(log2(len(rates) + 1))`` loads; afterwards the
@@ -447,7 +448,10 @@ def main(argv: list[str] | None = None) -> int:
                                rule="a request is good when TTFT <= k_ttft x (a + b x its prompt tokens) and its mean "
                                     "TPOT <= tpot_ms; a, b: least-squares fit of the stock arm's unloaded TTFT")
                     summary["slo"] = slo
+
                 def run_rate(r: float) -> bool:
+                    """One load at ``r`` req/s, recorded in ``rec["runs"]``; True when its attainment
+                    reaches ``--attain``."""
                     ra = bench_argv(port=a.port, model_dir=model_dir, dataset=dataset, num_prompts=num_prompts,
                                     rate=r, out_len=out_len, result_dir=rdir, filename=f"{arm}_rate{r:g}.json",
                                     goodput=slo)

@@ -359,11 +359,12 @@ def sla_quality(policy: str, budget: int) -> tuple[dict, str] | tuple[None, None
 
 
 def _sla_cell(arm: dict, grid: list[float]) -> str:
-    r = arm.get("sla_rate")
+    """An arm's SLA rate (req/s) for a table cell: a bound where it is off the ``grid``."""
     if not arm:
         return "not run"
     if "error" in arm:
         return "failed"
+    r = arm["sla_rate"]
     return f"< {min(grid):g}" if r is None else (f"≥ {r:g}" if r == max(grid) else f"{r:g}")
 
 
@@ -376,21 +377,27 @@ def _sla_ratio(v: float | None, n: float | None, grid: list[float]) -> str:
     return f"{'≥ ' if v == max(grid) else ''}{v / n:.2f}x"
 
 
-def sla_at_quality_rows(name: str = "sla_at_quality.json") -> list[dict]:
-    """Per policy of a ``bench_sla.py`` run: its quality at the run's budget (``sla_quality``), the
-    SLA rate (req/s) of its Naive-Evict arm and of each vToken arm, and peak goodputs."""
-    d = _load(name)
-    arms, grid, budget = d["arms"], d["config"]["rates"], d["config"]["budget"]
-    out = []
-    for spec in d["config"]["policies"]:
-        pol, _, where = spec.partition("@")
-        tag = pol.replace(":", "-") + ("-worker" if where else "")
-        q, qfile = sla_quality(pol, budget)
-        row = dict(policy=pol, quality=q, quality_file=qfile, naive=arms.get(f"naive-{tag}", {}), vtoken={})
-        for pc in d["config"]["pacings"]:
-            row["vtoken"][pc] = arms.get(f"vtoken-{tag}" + ("" if pc == "fixed" else f"-{pc}"), {})
-        out.append(row)
-    return out
+def sla_at_quality_rows(name: str = "sla_at_quality.json", d: dict | None = None) -> list[dict]:
+    """Per policy spec of a ``bench_sla.py`` run (``d``, else the file ``name``), grouped by each
+    arm's recorded vToken config: ``policy``, its ``quality`` row at the run's budget and the
+    ``quality_file`` it came from (``sla_quality``; ``None`` when not measured), the ``naive`` arm
+    record and the ``vtoken`` arm records by pacing (``{}`` for an arm that did not run)."""
+    d = _load(name) if d is None else d
+    rows: dict[tuple, dict] = {}
+    for rec in d["arms"].values():
+        vt = rec.get("vtoken")
+        if vt is None:  # stock
+            continue
+        key = (vt["policy"], vt.get("score_every"), vt.get("decide_on"))
+        if key not in rows:
+            q, qfile = sla_quality(vt["policy"], d["config"]["budget"])
+            rows[key] = dict(policy=vt["policy"], quality=q, quality_file=qfile, naive={},
+                             vtoken={pc: {} for pc in d["config"]["pacings"]})
+        if vt.get("mode") == "naive":
+            rows[key]["naive"] = rec
+        else:
+            rows[key]["vtoken"][vt["pacing"]] = rec
+    return list(rows.values())
 
 
 def sla_common_rate(d: dict) -> float:
@@ -400,9 +407,16 @@ def sla_common_rate(d: dict) -> float:
     return max(common)
 
 
-def _kv_at(arm: dict, rate: float) -> str:
+def _kv_mean(arm: dict, rate: float) -> float | None:
+    """An arm's mean KV-cache use (fraction of the pool, polled every 0.5 s) during its load at
+    ``rate`` req/s; ``None`` when it did not run that rate."""
     x = next((x for x in arm.get("runs", []) if x["rate"] == rate), None)
-    return "-" if x is None or x["kv_cache_usage_perc_mean"] is None else f"{x['kv_cache_usage_perc_mean'] * 100:.0f} %"
+    return None if x is None else x["kv_cache_usage_perc_mean"]
+
+
+def _kv_at(arm: dict, rate: float) -> str:
+    kv = _kv_mean(arm, rate)
+    return "-" if kv is None else f"{kv * 100:.0f} %"
 
 
 def sla_at_quality_table(name: str = "sla_at_quality.json") -> str:
@@ -418,7 +432,7 @@ def sla_at_quality_table(name: str = "sla_at_quality.json") -> str:
             f"| mean KV-cache use at {rc:g} req/s: {arms} |", "|---|---|---|---|---|"]
     stock = d["arms"]["stock"]
     rows.append(f"| stock vLLM (no eviction) | 0 / 100 % | {_sla_cell(stock, grid)} | | {_kv_at(stock, rc)} |")
-    for r in sla_at_quality_rows(name):
+    for r in sla_at_quality_rows(d=d):
         q = r["quality"]
         qc = "not measured" if q is None else f"{q['delta_nll']:+.3f} / {q['agree_full'] * 100:.1f} %"
         n = r["naive"].get("sla_rate")
@@ -439,7 +453,7 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
     quality files it names (every figure read from them; ties go to the better quality)."""
     d = _load(name)
     grid, b = d["config"]["rates"], d["config"]["budget"]
-    rows = sla_at_quality_rows(name)
+    rows = sla_at_quality_rows(d=d)
     rated = [r for r in rows if r["quality"] is not None]
     fmt_q = lambda q: f"ΔNLL {q['delta_nll']:+.3f}, agreement {q['agree_full'] * 100:.1f} %"  # noqa: E731
 
@@ -458,10 +472,7 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
     out.append(f"| most requests within the SLOs | {top[0]} | SLA rate {_sla_cell(top[2], grid)} req/s; stock "
                f"{_sla_cell(d['arms']['stock'], grid)} |")
     rc = sla_common_rate(d)
-
-    def kv(a: dict) -> float:
-        return next(x["kv_cache_usage_perc_mean"] for x in a["runs"] if x["rate"] == rc)
-
+    kv = lambda a: _kv_mean(a, rc)  # noqa: E731  (every arm ran rc)
     lo = min(((r, pc, a) for r in rows for pc, a in r["vtoken"].items()), key=lambda t: kv(t[2]))
     out.append(f"| least KV cache held at one load ({rc:g} req/s) | `{lo[0]['policy']}`, {lo[1]} pacing | mean "
                f"{kv(lo[2]) * 100:.0f} % of the pool; its Naive-Evict {kv(lo[0]['naive']) * 100:.0f} %, stock "
