@@ -338,6 +338,33 @@ class DeviceDecider:
         for k, t in self.req_fields.items():
             t[:, rows] = req[k].reshape(sets, r)
 
+    def observe_written(self, slots: torch.Tensor, key_norm: torch.Tensor) -> None:
+        """Fold the norms of the keys a step wrote into those slots only, for a policy with
+        ``observes_written_only`` (K-norm): :meth:`EvictionPolicy.observe_batched` on the written
+        slots' fields, every set at once; the same state :meth:`observe` leaves, without its read
+        and write of every live slot.
+
+        Args:
+            slots: int64 ``[T]`` global slots the step wrote (none of them shared: a prefix-cache
+                hit is never computed, so never written).
+            key_norm: float ``[S, T]``: each set's statistic of the key at ``slots[t]``.
+
+        Raises:
+            ValueError: the policy does not declare ``observes_written_only``, or ``key_norm`` is
+                not ``[num_sets, T]``.
+        """
+        if not self.policy.observes_written_only:
+            raise ValueError(f"policy {self.policy.name!r} reads more than the written slots; use observe()")
+        if key_norm.shape != (self.num_sets, slots.shape[0]):
+            raise ValueError(f"key_norm has shape {tuple(key_norm.shape)}; expected "
+                             f"[{self.num_sets}, {slots.shape[0]}] (token sets, written slots)")
+        if slots.numel() == 0:
+            return
+        fields = {k: t[:, slots] for k, t in self.side.fields.items() if k != "pos"}  # [S, T] copies
+        self.policy.observe_batched(fields, None, None, None, key_norm=key_norm)
+        for k, v in fields.items():
+            self.side.fields[k][:, slots] = v
+
     def evict(self, rows: torch.Tensor, block_table: torch.Tensor, k: torch.Tensor, *,
               sink_tokens: torch.Tensor | int = 0, recent_tokens: torch.Tensor | int = 0,
               protected_prefix: torch.Tensor | int = 0, width: Optional[int] = None) -> Eviction:

@@ -302,3 +302,43 @@ def test_naive_freed_blocks_needs_the_block_dead_in_every_set(same_block):
     ev = dec.evict(rows, bt, torch.tensor([4]))
     assert sorted(ev.evicted_pos.tolist()) == sorted(list(range(4)) + (list(range(4)) if same_block else list(range(4, 8))))
     assert dec.naive_freed_blocks(rows).tolist() == [1 if same_block else 0]
+
+
+@pytest.mark.parametrize("sets", [1, 3])
+def test_observe_written_equals_observe_for_knorm(sets):
+    """K-norm folds a step's key norms straight into the written slots
+    (``observe_written``); the side cache ends as :meth:`DeviceDecider.observe` leaves it when
+    given the same norms at those slots and ``NaN`` elsewhere (two steps: a prompt, then a
+    decode token), and the rounding to 12 bits happens on both paths."""
+    import copy
+
+    cfg = VTokenConfig(policy="knorm", budget=8, decide_on="worker")
+    g = torch.Generator().manual_seed(0)
+    a = DeviceDecider(cfg.make_policy(), 64, B, max_requests=2, num_sets=sets)
+    rows = torch.tensor([0, 1])
+    bt = torch.tensor([[0, 1, 2, 3], [7, 5, 6, 4]])
+    a.reset(rows)
+    b = copy.deepcopy(a)
+    for counts in ([5, 3], [1, 1]):
+        old = a.live[rows].clone()
+        for d in (a, b):
+            d.append(rows, bt, torch.tensor(counts))
+        n = int(a.live.max())
+        kn = torch.full((2, sets, n), float("nan"), dtype=torch.float64)
+        slots, vals = [], []
+        for r, c in enumerate(counts):
+            v = torch.rand(sets, c, generator=g, dtype=torch.float64) + 1
+            kn[r, :, old[r]: old[r] + c] = v
+            rel = torch.arange(int(old[r]), int(old[r]) + c)
+            slots.append(bt[r, rel // B] * B + rel % B)
+            vals.append(v)
+        a.observe(rows, bt, None, None, key_norm=kn)
+        b.observe_written(torch.cat(slots), torch.cat(vals, dim=1))
+        assert torch.equal(a.side.fields["norm"], b.side.fields["norm"])
+        assert torch.equal(a.side.fields["pos"], b.side.fields["pos"])
+    assert bool((b.side.fields["norm"][:, :6] != 0).all())  # request 0's 6 tokens: blocks 0, 1
+    with pytest.raises(ValueError, match="expected \\[%d, 2\\]" % sets):
+        b.observe_written(torch.tensor([0, 1]), torch.ones(sets + 1, 2, dtype=torch.float64))
+    h2o = DeviceDecider(VTokenConfig(policy="h2o", budget=8).make_policy(), 64, B, max_requests=2)
+    with pytest.raises(ValueError, match="reads more than the written slots"):
+        h2o.observe_written(torch.tensor([0]), torch.ones(1, 1, dtype=torch.float64))

@@ -177,3 +177,58 @@ def test_per_head_moves_touch_only_their_head(dtype, isa):
     want_v[dst, heads] = v0[src, heads]
     assert torch.equal(k1, want_k) and torch.equal(v1, want_v)
     assert not torch.equal(k1, k0)
+
+
+@pytest.mark.parametrize("dtype,isa", _cases())
+@pytest.mark.parametrize("mode", ["head", "layer", "head_shared", "request"])
+def test_layer_stack_moves_equal_the_maps_in_every_layer(dtype, isa, mode):
+    """``CPULayerStack``: the layers of one backing buffer (as ``allocate_kv_cache`` lays them
+    out, here with a gap before the first) moved in one gather and one scatter. Each token set
+    kind's moves (per (layer, head), per layer, per head over every layer, every layer and
+    head) land exactly where the index maps say, and nothing else changes."""
+    from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack
+
+    g = torch.Generator().manual_seed(3)
+    L, nb, H, bs, hd = 4, 6, 3, 32, 64
+    layout = probe_cpu_layout(dtype, isa, bs, hd, H)
+    lay = CPUKVLayout(layout)
+    per = nb * H * bs * 2 * hd
+    buf = torch.randn(L * per + 96, generator=g).to(dtype)
+    caches = [(buf[96 + l * per: 96 + (l + 1) * per].view(nb, H, bs, 2 * hd), lay) for l in range(L)]
+    stack = CPULayerStack.build(caches)
+    assert stack is not None
+    blocks = torch.arange(nb)
+    before = [_values(kv, layout, blocks, nb * bs) for kv, _ in caches]  # [slots, H, hd] each
+    m = 40
+    perm = torch.randperm(nb * bs, generator=g)
+    src, dst = perm[:m], perm[m:2 * m]
+    layers = torch.randint(0, L, (m,), generator=g) if mode in ("head", "layer") else None
+    heads = torch.randint(0, H, (m,), generator=g) if mode in ("head", "head_shared") else None
+    stack.move(src, dst, layers, heads)
+    for l, (kv, _) in enumerate(caches):
+        want_k, want_v = before[l][0].clone(), before[l][1].clone()
+        sel = torch.ones(m, dtype=torch.bool) if layers is None else layers == l
+        s_, d_ = src[sel], dst[sel]
+        if heads is None:
+            want_k[d_], want_v[d_] = before[l][0][s_], before[l][1][s_]
+        else:
+            h_ = heads[sel]
+            want_k[d_, h_], want_v[d_, h_] = before[l][0][s_, h_], before[l][1][s_, h_]
+        k1, v1 = _values(kv, layout, blocks, nb * bs)
+        assert torch.equal(k1, want_k) and torch.equal(v1, want_v), (mode, l)
+    assert torch.equal(buf[:96], torch.randn(L * per + 96, generator=torch.Generator().manual_seed(3)).to(dtype)[:96])
+
+
+def test_layer_stack_needs_one_buffer_and_one_layout():
+    """Caches in separate allocations, or with different shapes, do not stack (moves then go
+    layer by layer)."""
+    from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack
+
+    lay = CPUKVLayout(probe_cpu_layout(torch.float32, "vec", 32, 64, 3))
+    apart = [(torch.zeros(4, 3, 32, 128), lay), (torch.zeros(4, 3, 32, 128), lay)]
+    assert CPULayerStack.build(apart) is None
+    buf = torch.zeros(2 * 4 * 3 * 32 * 128)
+    one = [(buf[: buf.numel() // 2].view(4, 3, 32, 128), lay), (buf[buf.numel() // 2:].view(4, 3, 32, 128), lay)]
+    assert CPULayerStack.build(one) is not None
+    assert CPULayerStack.build([one[0], (buf[: 3 * 3 * 32 * 128].view(3, 3, 32, 128), lay)]) is None
+    assert CPULayerStack.build([]) is None

@@ -219,6 +219,11 @@ class EvictionPolicy(ABC):
     #: False: its decisions depend only on the KV cache, the last prompt token's attention
     #: (always computed: a hit stops one token short) and later steps, so a hit is exact.
     prompt_statistics: ClassVar[bool] = False
+    #: True: the policy's only statistic is ``AttentionStats.key_norm`` and
+    #: :meth:`observe_batched` reads and writes nothing but the fields of the slots the step
+    #: wrote (K-norm). On the worker such a step is folded straight into those slots
+    #: (:meth:`vtoken.decider.DeviceDecider.observe_written`), with no pass over the live ones.
+    observes_written_only: ClassVar[bool] = False
 
     sink_tokens: int = 0
     recent_tokens: int = 0

@@ -70,6 +70,7 @@ class KNormPolicy(EvictionPolicy):
     name: ClassVar[str] = "knorm"
     needs: ClassVar[AttentionNeed] = AttentionNeed.KEY_NORM
     prompt_statistics: ClassVar[bool] = True
+    observes_written_only: ClassVar[bool] = True
 
     @classmethod
     def default_granularity(cls) -> str:

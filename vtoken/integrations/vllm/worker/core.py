@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from vtoken.policies.base import AttentionNeed
-from vtoken.integrations.vllm.worker.kv_layout import KVLayout
+from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack, KVLayout
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload
 from vtoken.integrations.vllm.worker.scoring import StepScores
 from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
@@ -74,6 +74,7 @@ class VTokenWorkerCore:
         self.refill: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # req_id -> (positions, ids), this step
         self.step: Optional[StepScores] = None
         self._caches: Optional[list[tuple[torch.Tensor, KVLayout]]] = None
+        self._stack: Any = False  # CPULayerStack of kv_caches(), None where they do not stack; False: not built
         self._layer_idx: Optional[dict[int, int]] = None
         self._tp = None  # vLLM's TP GroupCoordinator, looked up on the first scored step
         #: all-reduces issued and float64 bytes they carried (this rank; 0 when TP == 1)
@@ -214,8 +215,11 @@ class VTokenWorkerCore:
             if payload.num_moves:
                 src = torch.from_numpy(payload.src)
                 dst = torch.from_numpy(payload.dst)
-                for kv, lay in self.kv_caches():
-                    lay.move_tokens(kv, src, dst)
+                if self.layer_stack() is not None:
+                    self.layer_stack().move(src, dst)
+                else:
+                    for kv, lay in self.kv_caches():
+                        lay.move_tokens(kv, src, dst)
             for rid, off in payload.offsets.items():
                 if off:
                     self.offsets[rid] = off
@@ -242,11 +246,23 @@ class VTokenWorkerCore:
         offs = torch.arange(bs, dtype=torch.int64)
         src = (ids[:, 0, None] * bs + offs).reshape(-1)
         dst = (ids[:, 1, None] * bs + offs).reshape(-1)
-        for kv, lay in caches:
-            lay.move_tokens(kv, src.to(kv.device), dst.to(kv.device))
+        if self.layer_stack() is not None:
+            self.layer_stack().move(src, dst)
+        else:
+            for kv, lay in caches:
+                lay.move_tokens(kv, src.to(kv.device), dst.to(kv.device))
         if self.decisions is not None:
             self.decisions.copy_slots(src, dst)
         self.copied_blocks += len(pairs)
+
+    def layer_stack(self) -> Optional[CPULayerStack]:
+        """Every layer's KV cache as one :class:`CPULayerStack` (built once), or None where the
+        caches do not stack (another backend or allocation): moves then go layer by layer."""
+        if self._stack is False:
+            self._stack = CPULayerStack.build(self.kv_caches())
+            logger.debug("vToken: KV moves %s", "in one batch over every layer" if self._stack is not None
+                         else "layer by layer")
+        return self._stack
 
     def _apply_set_moves(self, gran: str, src: torch.Tensor, dst: torch.Tensor, sets: torch.Tensor) -> None:
         """Apply one group's K/V moves to the (layer, KV head) pairs each move's token set covers
@@ -255,6 +271,13 @@ class VTokenWorkerCore:
         if not src.numel():
             return
         caches = self.kv_caches()
+        stack = self.layer_stack()
+        if stack is not None and gran in ("request", "head_shared", "layer", "head"):
+            hk = caches[0][0].shape[1]
+            layers = {"request": None, "head_shared": None, "layer": sets, "head": sets // hk}[gran]
+            heads = {"request": None, "head_shared": sets, "layer": None, "head": sets % hk}[gran]
+            stack.move(src, dst, layers, heads)  # every layer's moves in one gather and one scatter
+            return
         if gran == "request":
             for kv, lay in caches:
                 lay.move_tokens(kv, src, dst)
@@ -474,6 +497,12 @@ class VTokenWorkerCore:
         wanted, self.score_reqs = self.score_reqs, {}
         if st is not None and getattr(st, "moment_rows", None) and self.decisions is not None:
             self.decisions.fold_moments(*st.take_moments())  # this rank's own query heads
+        if st is not None and self.decisions is not None and getattr(st, "needs_keys", False):
+            # K-norm: the norms go straight into the slots they were written to (no live pass)
+            direct = self.decisions.written_only(st.keyed_rids(), tp=self._tp_world() > 1)
+            got = st.take_key_norms(direct) if direct else None
+            if got is not None:
+                self.decisions.write_key_norms(*got)
         if wanted and self._tp_world() > 1:
             res = self._reduce_over_tp(st) or None
         elif st is None:

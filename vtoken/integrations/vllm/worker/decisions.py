@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -408,6 +408,55 @@ class WorkerDecisions:
         for g, rows, grids in self._by_group(rids).values():
             sel = torch.tensor([index[r] for r in grids])
             g.add_moments(torch.tensor(rows, device=g.dec.live.device), qsum[sel], qpair[sel], count[sel])
+
+    def written_only(self, rids: Iterable[str], tp: bool) -> set[str]:
+        """The requests among ``rids`` whose step statistics :meth:`write_key_norms` folds (their
+        policy ``observes_written_only``); under tensor parallelism (``tp``) only those with
+        ``head`` or ``head_shared`` sets, which are each rank's own (``layer`` and ``request``
+        sets sum their ranks' norms first, through ``StepScores.result``)."""
+        out = set()
+        for rid in rids:
+            got = self.where.get(rid)
+            if got is not None and got[0].policy.observes_written_only and (
+                    not tp or got[0].granularity in ("head", "head_shared")):
+                out.add(rid)
+        return out
+
+    def write_key_norms(self, rows: list[tuple[str, int, int, int]], norms: torch.Tensor) -> None:
+        """Fold a step's key norms into the slots it wrote (``DeviceDecider.observe_written``),
+        every request of a group at once.
+
+        Args:
+            rows: ``(req_id, n, qs, qe)``: the request's physical length after the step and its
+                tokens' range in the batch (its last ``qe - qs`` slots were written).
+            norms: float64 ``[L, num_tokens, Hkv]``: every layer's key norms, batch order
+                (``StepScores.take_key_norms``). A set takes the mean of its (layer, KV head)
+                pairs (``docs/granularity.md``), in the order ``StepScores.result`` reduces them.
+        """
+        info = {r[0]: r for r in rows}
+        for g, grows, rids in self._by_group(info).values():
+            dev = g.dec.live.device
+            n, qs, qe = (torch.tensor([info[r][i] for r in rids], dtype=torch.int64) for i in (1, 2, 3))
+            ql = qe - qs
+            seg = torch.repeat_interleave(torch.arange(len(rids)), ql)  # [T]: each token's request
+            j = torch.arange(int(ql.sum())) - (torch.cumsum(ql, 0) - ql)[seg]
+            rel = (n - ql)[seg] + j  # request-relative slot
+            bs = g.dec.block_size
+            table = g.table(grows)
+            slots = table[seg.to(dev), (rel // bs).to(dev)] * bs + (rel % bs).to(dev)
+            t = norms[:, (qs[seg] + j).to(norms.device), :].permute(0, 2, 1).contiguous()  # [L, Hkv, T]
+            gran = g.granularity
+            if gran == "head":
+                vals = t.reshape(-1, t.shape[-1])
+            elif gran == "layer":
+                vals = t.mean(dim=1)
+            elif gran == "head_shared":
+                vals = t.mean(dim=0)
+            elif gran == "request":
+                vals = t.mean(dim=(0, 1))[None]
+            else:
+                raise ValueError(f"vToken: unknown granularity {gran!r}")
+            g.dec.observe_written(slots, vals.to(dev))
 
     def fold(self, scores: Optional[ScoreMap]) -> None:
         """Fold the step's statistics (req_id -> (col_sum, last_row), float64 ``[live]``, or

@@ -38,7 +38,7 @@ from typing import Optional, Protocol
 import torch
 
 __all__ = ["KVLayout", "CPUKVLayout", "TokenLayout", "probe_cpu_layout", "move_tokens_cpu", "gather_keys_cpu", "cpu_kv_layout",
-           "PagedKVLayout", "flash_attn_kv_layout", "view_axis_order"]
+           "CPULayerStack", "PagedKVLayout", "flash_attn_kv_layout", "view_axis_order"]
 
 
 @dataclass(frozen=True)
@@ -341,6 +341,84 @@ class CPUKVLayout:
         region = _regions(kv_cache)[which]  # [nb, bs*hd, Hkv]
         k = region[blocks[:, :, None], idx[None]]  # [R, n, hd, Hkv]
         return k.permute(0, 3, 1, 2).float()
+
+
+class CPULayerStack:
+    """Every layer's CPU KV cache addressed as one flat tensor, so that a step's moves in all
+    layers are one gather and one scatter instead of a chain of small ops per layer.
+
+    vLLM places the layers of a KV-cache group in one backing allocation
+    (``vllm.v1.worker.utils.allocate_kv_cache``: layer ``l`` at its own offset of the same
+    buffer, every layer with the same shape and strides). Element ``d`` of the K (``w = 0``) or
+    V (``w = 1``) vector of KV head ``h`` of slot offset ``o`` in block ``b`` of layer ``l`` sits
+    at ``off[l] + b * s0 + h * s1 + w * B * hd + idx_w[o, d]`` of that buffer (``idx_w``: the
+    probed :class:`TokenLayout`, any ISA's packing). :meth:`build` returns None when the caches
+    do not fit that model (then the per-layer :func:`move_tokens_cpu` is used).
+
+    Args:
+        flat: ``[numel]`` view of the shared buffer in the caches' dtype.
+        layer_off: int64 ``[L]`` element offset of each layer's cache (:meth:`kv_caches` order).
+        elem: int64 ``[B, 2, hd]``: ``w * B * hd + idx_w[o, d]``.
+        s0, s1: element strides of a block and of a KV head.
+        num_kv_heads: ``H``.
+    """
+
+    def __init__(self, flat: torch.Tensor, layer_off: torch.Tensor, elem: torch.Tensor, s0: int, s1: int,
+                 num_kv_heads: int):
+        self.flat, self.layer_off, self.elem = flat, layer_off, elem
+        self.s0, self.s1, self.num_kv_heads = s0, s1, num_kv_heads
+        self.block_size = int(elem.shape[0])
+
+    @classmethod
+    def build(cls, caches: list[tuple[torch.Tensor, "KVLayout"]]) -> Optional["CPULayerStack"]:
+        """The stack of ``caches`` (``[num_blocks, H, B, 2*hd]`` views with their layouts), or
+        None: not every layout is the same :class:`CPUKVLayout`, the caches differ in shape,
+        strides or dtype, do not share one storage, or a (block, head) region is not one
+        contiguous run of ``2 * B * hd`` elements."""
+        if not caches or not all(isinstance(lay, CPUKVLayout) for _, lay in caches):
+            return None
+        kv0, lay0 = caches[0]
+        if kv0.device.type != "cpu" or kv0.dim() != 4:
+            return None
+        for kv, lay in caches:
+            if (lay.token_layout is not lay0.token_layout or kv.shape != kv0.shape or kv.stride() != kv0.stride()
+                    or kv.dtype != kv0.dtype or kv.untyped_storage().data_ptr() != kv0.untyped_storage().data_ptr()):
+                return None
+        nb, H, bs, two_hd = kv0.shape
+        hd = two_hd // 2
+        if kv0.stride(3) != 1 or kv0.stride(2) != two_hd or bs != lay0.block_size:
+            return None
+        tl = lay0.token_layout
+        elem = torch.stack([tl.idx_k, tl.idx_v + bs * hd], dim=1).to(torch.int64)  # [B, 2, hd]
+        numel = kv0.untyped_storage().nbytes() // kv0.element_size()
+        flat = kv0.as_strided((numel,), (1,), 0)
+        return cls(flat, torch.tensor([kv.storage_offset() for kv, _ in caches], dtype=torch.int64), elem,
+                   kv0.stride(0), kv0.stride(1), H)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, layers: Optional[torch.Tensor] = None,
+             heads: Optional[torch.Tensor] = None) -> None:
+        """Copy K and V of slots ``src`` to ``dst`` (int64 ``[M]`` global slot ids), every read
+        before any write, in place.
+
+        Args:
+            layers: int64 ``[M]``: the layer (index into the stack) of each move; None: every layer.
+            heads: int64 ``[M]``: the KV head of each move; None: every head.
+        Moves must be disjoint within each (layer, head) they touch.
+        """
+        if src.numel() == 0:
+            return
+        bs = self.block_size
+        lp = (self.layer_off[layers][None, :, None] if layers is not None
+              else self.layer_off[:, None, None])  # [A, M | 1, 1]
+        hp = (heads * self.s1)[None, :, None] if heads is not None else (
+            torch.arange(self.num_kv_heads) * self.s1)[None, None, :]  # [1, M | 1, B']
+
+        def index(slots: torch.Tensor) -> torch.Tensor:
+            base = lp + hp + ((slots // bs) * self.s0)[None, :, None]  # [A, M, B']
+            return base[..., None, None] + self.elem[slots % bs][None, :, None]  # [A, M, B', 2, hd]
+
+        s, d = index(src), index(dst)
+        self.flat[d] = self.flat[s]
 
 
 @lru_cache(maxsize=None)

@@ -219,7 +219,9 @@ class StepScores:
             self._add_moments(q_all, meta, layer_index)
         if self.needs_keys and key is not None:
             # one norm per written key and KV head, for every token of the batch at once
-            self._key_norms[layer_index] = key.reshape(key.shape[0], Hkv, hd).to(torch.float64).norm(dim=-1)
+            # (cast to float64 first, then the norm: one op)
+            self._key_norms[layer_index] = torch.linalg.vector_norm(key.reshape(key.shape[0], Hkv, hd), dim=-1,
+                                                                    dtype=torch.float64)
         if plan["singles"]:
             k = layout.gather_keys_batched(kv_cache, plan["blocks"], plan["offsets"])  # [R, Hkv, max_n, hd]
             R = k.shape[0]
@@ -296,6 +298,27 @@ class StepScores:
         qpair = torch.zeros(nr, nl * hq, d // 2, 3, dtype=torch.float64, device=q.device).index_add_(
             0, mp["seg"], pair_terms(q, mp["a"], mp["b"]))
         return rids, qsum.view(nr, nl, hq, d), qpair.view(nr, nl, hq, d // 2, 3), mp["count"]
+
+    def keyed_rids(self) -> list[str]:
+        """The rows that took key norms this step (empty before the first layer)."""
+        return [] if self._plan is None else [k[0] for k in self._plan["keyed"]]
+
+    def take_key_norms(self, rids: set[str]) -> Optional[tuple[list[tuple[str, int, int, int]], torch.Tensor]]:
+        """Hand the key norms of rows ``rids`` to the caller (``WorkerDecisions.write_key_norms``)
+        instead of :meth:`result`, which no longer reports them.
+
+        Returns:
+            ``(rows, norms)``: ``rows`` ``(req_id, n, qs, qe)`` (physical length, the row's tokens
+            in the batch), ``norms`` float64 ``[L, num_tokens, Hkv]`` (layer order); None when no
+            such row took norms.
+        """
+        if self._plan is None or not self._key_norms:
+            return None
+        took = [k for k in self._plan["keyed"] if k[0] in rids]
+        if not took:
+            return None
+        self._plan["keyed"] = [k for k in self._plan["keyed"] if k[0] not in rids]
+        return took, torch.stack([self._key_norms[i] for i in sorted(self._key_norms)])
 
     def result(self) -> dict[str, tuple[Optional[np.ndarray], ...]]:
         """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked);
