@@ -232,3 +232,34 @@ def test_layer_stack_needs_one_buffer_and_one_layout():
     assert CPULayerStack.build(one) is not None
     assert CPULayerStack.build([one[0], (buf[: 3 * 3 * 32 * 128].view(3, 3, 32, 128), lay)]) is None
     assert CPULayerStack.build([]) is None
+
+
+@pytest.mark.parametrize("dtype,isa", _cases())
+def test_layer_stack_reads_every_layer_as_the_maps_say(dtype, isa):
+    """``CPULayerStack.read_rows``: keys and values of every layer for a batch of block-table rows
+    in one copy, equal to the index maps' values layer by layer (affine layouts; the others
+    have no strided views and read layer by layer)."""
+    from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack
+
+    g = torch.Generator().manual_seed(4)
+    L, nb, H, bs, hd = 3, 7, 3, 32, 64
+    layout = probe_cpu_layout(dtype, isa, bs, hd, H)
+    per = nb * H * bs * 2 * hd
+    buf = torch.randn(L * per + 64, generator=g).to(dtype)
+    caches = [(buf[64 + l * per: 64 + (l + 1) * per].view(nb, H, bs, 2 * hd), CPUKVLayout(layout)) for l in range(L)]
+    stack = CPULayerStack.build(caches)
+    if layout.k_strides is None or layout.v_strides is None:
+        assert stack.views is None
+        return
+    rows = torch.tensor([[4, 1, 6], [0, 5, 2]])
+    n = 70  # two whole blocks and 6 slots of the third
+    for which in (0, 1):
+        got = stack.read_rows(rows, n, which)
+        assert got.shape == (2, L * H, n, hd) and got.dtype == torch.float32
+        for l, (kv, _) in enumerate(caches):
+            for r in range(2):
+                want = _values(kv, layout, rows[r], n)[which]  # [n, H, hd]
+                assert torch.equal(got[r, l * H:(l + 1) * H], want.permute(1, 0, 2).float()), (which, l, r)
+    # layers at uneven offsets: no strided views
+    uneven = [caches[0], (buf[64 + 2 * per: 64 + 3 * per].view(nb, H, bs, 2 * hd), caches[0][1]), caches[1]]
+    assert CPULayerStack.build(uneven).views is None

@@ -380,6 +380,10 @@ class VTokenWorkerCore:
         caches = self.kv_caches()
         bs = caches[0][0].shape[2]
         n = int(live.max()) if live.numel() else 0
+        stack = self.layer_stack()
+        if stack is not None and stack.views is not None and n:  # every layer in one copy each
+            rows = table[:, : -(-n // bs)]
+            return stack.read_rows(rows, n, 0), (stack.read_rows(rows, n, 1) if values else None)
         if not values:
             cols = torch.arange(n, device=table.device)
             blocks = table.gather(1, (cols // bs)[None, :].expand(table.shape[0], n).clamp(max=table.shape[1] - 1))

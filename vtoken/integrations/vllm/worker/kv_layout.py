@@ -364,10 +364,40 @@ class CPULayerStack:
     """
 
     def __init__(self, flat: torch.Tensor, layer_off: torch.Tensor, elem: torch.Tensor, s0: int, s1: int,
-                 num_kv_heads: int):
+                 num_kv_heads: int, num_blocks: int = 0,
+                 strides: Optional[tuple[Optional[tuple[int, int]], Optional[tuple[int, int]]]] = None):
         self.flat, self.layer_off, self.elem = flat, layer_off, elem
         self.s0, self.s1, self.num_kv_heads = s0, s1, num_kv_heads
         self.block_size = int(elem.shape[0])
+        self.num_blocks = num_blocks
+        #: ``[L, num_blocks, H, B, hd]`` strided views of every layer's keys and values (one
+        #: tensor each), where the layers sit at a constant positive stride and the packing is
+        #: affine (the ``vec`` layouts); else None (reads go layer by layer)
+        self.views: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        off = layer_off.tolist()
+        step = off[1] - off[0] if len(off) > 1 else 1
+        if strides is not None and None not in strides and step > 0 and off == [off[0] + i * step for i in range(len(off))]:
+            hd = elem.shape[2]
+            self.views = tuple(flat.as_strided((len(off), num_blocks, num_kv_heads, self.block_size, hd),
+                                               (step, s0, s1, *st), off[0] + w * self.block_size * hd)
+                               for w, st in enumerate(strides))
+
+    def read_rows(self, block_rows: torch.Tensor, n: int, which: int) -> torch.Tensor:
+        """Keys (``which`` 0) or values (1) of slots ``0..n-1`` of each block-table row, every
+        layer at once (one gather of whole blocks, one converting copy): float32
+        ``[R, L * H, n, hd]``, layer-major (a view of a ``[R, L * H, cdiv(n, B) * B, hd]``
+        tensor). Only where :attr:`views` is set.
+
+        Args:
+            block_rows: int64 ``[R, >= cdiv(n, B)]`` block ids.
+        """
+        bs = self.block_size
+        nblk = -(-n // bs)
+        t = self.views[which][:, block_rows[:, :nblk]]  # [L, R, nblk, H, B, hd], the cache's dtype
+        L, R, _, H, _, hd = t.shape
+        out = torch.empty((R, L, H, nblk, bs, hd), dtype=torch.float32)
+        out.copy_(t.permute(1, 0, 3, 2, 4, 5))
+        return out.view(R, L * H, nblk * bs, hd)[:, :, :n]
 
     @classmethod
     def build(cls, caches: list[tuple[torch.Tensor, "KVLayout"]]) -> Optional["CPULayerStack"]:
@@ -393,7 +423,7 @@ class CPULayerStack:
         numel = kv0.untyped_storage().nbytes() // kv0.element_size()
         flat = kv0.as_strided((numel,), (1,), 0)
         return cls(flat, torch.tensor([kv.storage_offset() for kv, _ in caches], dtype=torch.int64), elem,
-                   kv0.stride(0), kv0.stride(1), H)
+                   kv0.stride(0), kv0.stride(1), H, nb, (tl.k_strides, tl.v_strides))
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, layers: Optional[torch.Tensor] = None,
              heads: Optional[torch.Tensor] = None) -> None:
