@@ -99,6 +99,8 @@ def protected_mask(
     """
     r, n, live = _check_2d(logical_pos, num_live)
     dev = logical_pos.device
+    if all(type(v) is int and v == 0 for v in (sink_tokens, recent_tokens, protected_prefix)):
+        return torch.zeros((r, n), dtype=torch.bool, device=dev)  # nothing protected (K-norm's default)
     sinks = _per_row(sink_tokens, r, dev, "sink_tokens")
     recent = _per_row(recent_tokens, r, dev, "recent_tokens")
     prefix = _per_row(protected_prefix, r, dev, "protected_prefix")
@@ -184,12 +186,17 @@ def _select_few(scores: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor, k_e
     """:func:`select_victims` for small ``k`` and no NaN: every candidate scoring below the
     row's k-th smallest candidate score, then the smallest positions among those equal to it."""
     s = torch.where(cand, scores, torch.full((), float("inf"), dtype=scores.dtype, device=scores.device))
+    big = torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=pos.device)
+    if kmax == 1:  # steady decode: each row's lowest score, the smallest position among its ties
+        tie = cand & (s == s.min(dim=1, keepdim=True).values)
+        p = torch.where(tie, pos, big)
+        return tie & (p == p.min(dim=1, keepdim=True).values) & (k_eff > 0)[:, None]
     kth = s.topk(kmax, dim=1, largest=False).values.gather(1, (k_eff - 1).clamp(min=0)[:, None])
     below = cand & (s < kth)
     tie = cand & (s == kth)
     need = k_eff - below.sum(dim=1)  # >= 1 where k_eff >= 1: the k-th itself is a tie
     mmax = int(need.max())  # host sync
-    p = torch.where(tie, pos, torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=pos.device))
+    p = torch.where(tie, pos, big)
     pth = p.topk(mmax, dim=1, largest=False).values.gather(1, (need - 1).clamp(min=0)[:, None])
     return (below | (tie & (p <= pth))) & (k_eff > 0)[:, None]
 

@@ -107,6 +107,29 @@ def test_equals_the_per_request_reference(device, method, batch, logical_known):
     assert plan.rows.tolist() == sorted(plan.rows.tolist())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@SETTINGS
+@given(batch=batches(), unprotected=st.booleans())
+def test_steady_decode_and_int_protections_equal_the_reference(device, batch, unprotected):
+    """At most one victim per row (steady decode: the one-victim path of ``topk``), with the
+    protections as Python ints (``unprotected``: all 0, the shortcut that protects nothing,
+    K-norm's default) or one per row, against the per-request reference."""
+    rows, width = batch
+    for x in rows:
+        x["k"] = min(x["k"], 1)
+        if unprotected:
+            x["sinks"] = x["recent"] = x["prefix"] = 0
+    sc, pos, live, k, sinks, recent, prefix = _pack(rows, width, device)
+    kw = dict(sink_tokens=0, recent_tokens=0, protected_prefix=0) if unprotected else dict(
+        sink_tokens=sinks, recent_tokens=recent, protected_prefix=prefix)
+    got = select_victims(sc, pos, live, k, **kw)
+    prot = protected_mask(pos, live, **kw)
+    for i, x in enumerate(rows):
+        want, want_prot = _reference(x["scores"], x["pos"], x["k"], x["sinks"], x["recent"], x["prefix"])
+        assert torch.nonzero(got[i]).flatten().tolist() == want.tolist(), (i, x)
+        assert prot[i, : len(x["pos"])].tolist() == want_prot.tolist() and not prot[i, len(x["pos"]):].any()
+
+
 def test_hand_case_ties_and_every_protection(method):
     # One request, 12 live slots in a permuted order (a repack happened before).
     pos = torch.tensor([[0, 1, 2, 11, 4, 5, 6, 7, 8, 9, 10, 3]])

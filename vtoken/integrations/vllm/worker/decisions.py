@@ -321,11 +321,14 @@ class WorkerDecisions:
                     extra = dict(moments=tuple(t[rows_t] for t in g.moments), start=g.dec.logical[rows_t])
                 g.dec.observe(rows_t, table, None, None,
                               key_sim=self.key_reader(g.policy, table, g.dec.live[rows_t], g.granularity, **extra))
+            def per_request(name: str):  # one int when every request has the same (no [R] tensor ops)
+                vals = [getattr(s, name) for s in spec]
+                return int(vals[0]) if vals.count(vals[0]) == len(vals) else torch.tensor(vals, device=dev)
+
             ev = g.dec.evict(rows_t, table,
                              torch.tensor([evict[r] for r in rids], device=dev),
-                             sink_tokens=torch.tensor([s.sink_tokens for s in spec], device=dev),
-                             recent_tokens=torch.tensor([s.recent_tokens for s in spec], device=dev),
-                             protected_prefix=torch.tensor([s.protected_prefix for s in spec], device=dev))
+                             sink_tokens=per_request("sink_tokens"), recent_tokens=per_request("recent_tokens"),
+                             protected_prefix=per_request("protected_prefix"))
             out.append((g.granularity, ev.src, ev.dst, ev.sets))
             self._naive.append((g, rows, rids, rows_t))
         return out
