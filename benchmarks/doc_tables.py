@@ -513,7 +513,10 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,
           "sla_pick_table": sla_pick_table,
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
-          "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json")}
+          "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
+          "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),
+          "sla_keyonly_runs_table": lambda: sla_table("sla_at_quality_keyonly.json"),
+          "sla_keyonly_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_keyonly.json")}
 
 
 if __name__ == "__main__":

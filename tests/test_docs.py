@@ -993,3 +993,43 @@ def test_sla_at_quality_findings_quote_the_result_file():
     rows = {r["policy"]: r for r in doc_tables.sla_at_quality_rows()}
     assert f"(H2O: {rows['h2o']['quality']['delta_nll']:+.3f})" in sec
     assert min(r["quality"]["delta_nll"] for r in rows.values()) > 0.3
+
+
+def test_sla_keyonly_section_is_generated_and_quotes_the_result_file():
+    """README_sla.md's key-only rerun (``make bench-sla-keyonly``): its tables are generated, and
+    every figure its findings quote is the run's file."""
+    doc_tables = _doc_tables()
+    text = (ROOT / "benchmarks" / "README_sla.md").read_text()
+    for name in ("sla_keyonly_table", "sla_keyonly_unloaded_table"):
+        assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
+    sec = " ".join(text[text.index("### The key-only policies after the step-cost cuts"):
+                        text.index("## Where vToken is ahead")].split())
+    d = _load("sla_at_quality_keyonly.json")
+    A, rc = d["arms"], doc_tables.sla_common_rate(d)
+    rate = {n: a["sla_rate"] for n, a in A.items()}
+    un = {n: a["unloaded"]["p50_tpot_ms"] for n, a in A.items()}
+    la = [x["load_average_1m"] for a in A.values() for x in a["runs"]]
+    assert f"{d['total_wall_s']:,.0f} s; 1-minute load average {min(la):.1f}-{max(la):.1f} per rate" in sec
+    assert rc == 0.75 == rate["stock"] == rate["vtoken-knorm-worker-pressure"] == rate["vtoken-keydiff-worker-pressure"]
+    assert f"TPOT SLO {d['slo']['tpot_ms']} ms, 2 x stock's unloaded {un['stock']:.1f} ms" in sec
+    ratio = rate["vtoken-keydiff-worker-pressure"] / rate["naive-keydiff-worker"]
+    assert f"reaches {ratio:.2f}x its Naive-Evict" in sec and ratio >= 1.5
+    assert rate["vtoken-expected_attention-worker-pressure"] == 0.5
+    assert rate["naive-expected_attention-worker"] is None and rate["vtoken-expected_attention-worker"] is None
+    rows = {r["policy"]: r for r in doc_tables.sla_at_quality_rows("sla_at_quality_keyonly.json")}
+    best = min(rows.values(), key=lambda r: r["quality"]["delta_nll"])
+    assert best["policy"] == "expected_attention" and f"Expected Attention, {best['quality']['delta_nll']:+.3f}" in sec
+    assert min(r["quality"]["delta_nll"] for r in rows.values()) > 0.3
+    for p, name in (("knorm", "K-norm"), ("keydiff", "KeyDiff")):
+        v, n = rate[f"vtoken-{p}-worker"], rate[f"naive-{p}-worker"]
+        assert f"{name} {v:g} against {n:g}" in sec and v < n
+        assert f"{un[f'vtoken-{p}-worker']:.1f} against {un[f'naive-{p}-worker']:.1f}" in sec
+    kv = lambda n: next(x for x in A[n]["runs"] if x["rate"] == rc)["kv_cache_usage_perc_mean"] * 100  # noqa: E731
+    vt = [kv(f"vtoken-{p}-worker") for p in rows]
+    nv = [kv(f"naive-{p}-worker") for p in rows]
+    assert f"hold {min(vt):.0f}-{max(vt):.0f} % of the pool on average, against {min(nv):.0f}-{max(nv):.0f} %" in sec
+    old = _load("sla_at_quality.json")
+    assert f"stock's unloaded TPOT {old['arms']['stock']['unloaded']['p50_tpot_ms']:.1f} ms there" in sec
+    for p, name in (("knorm", "K-norm"), ("keydiff", "KeyDiff")):
+        was = old["arms"][f"vtoken-{p}-worker-pressure"]["sla_rate"]
+        assert f"{name}'s" in sec and f"from {was:g} to {rate[f'vtoken-{p}-worker-pressure']:g}" in sec
