@@ -508,6 +508,7 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "scheduler_table": scheduler_table, "granularity_cost_table": granularity_cost_table,
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
+          "overhead_keyonly_b32_table": lambda: overhead_table("overhead_keyonly_b32.json"),
           "prefix_cache_table": prefix_cache_table, "longest_prompt_table": longest_prompt_table,
           "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table,
           "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,

@@ -1033,3 +1033,22 @@ def test_sla_keyonly_section_is_generated_and_quotes_the_result_file():
     for p, name in (("knorm", "K-norm"), ("keydiff", "KeyDiff")):
         was = old["arms"][f"vtoken-{p}-worker-pressure"]["sla_rate"]
         assert f"{name}'s" in sec and f"from {was:g} to {rate[f'vtoken-{p}-worker-pressure']:g}" in sec
+
+
+def test_benchmarks_readme_step_cost_at_batch_32():
+    """The batch-32 step-cost table is generated and the figures quoted above it are the result's."""
+    doc_tables = _doc_tables()
+    text = BENCH_DOC.read_text()
+    assert _generated(text, "benchmarks/doc_tables.py overhead_keyonly_b32_table") == \
+        doc_tables.TABLES["overhead_keyonly_b32_table"]()
+    d = json.loads((RESULTS / "overhead_keyonly_b32.json").read_text())
+    assert d["config"]["batch"] == 32
+    r = d["results"]["smollm2"]
+    flat = " ".join(text.split())
+    assert f"K-norm's evicting step costs {r['evict-knorm@worker']['ratio_median']:.2f}x stock here" in flat
+    assert r["evict-knorm@worker"]["ratio_median"] <= 1.05
+    assert f"(Random {r['evict-random@worker']['ratio_median']:.2f}x" in flat
+    assert f"KeyDiff ({r['evict-keydiff@worker']['ratio_median']:.2f}x)" in flat
+    assert f"Expected Attention ({r['evict-expected_attention@worker']['ratio_median']:.2f}x)" in flat
+    la = [x["load_average_1m"] for x in d["runs"]]
+    assert f"{d['total_wall_s']:.0f} s, 1-minute load average {min(la):.1f}-{max(la):.1f}" in flat
