@@ -215,11 +215,7 @@ class VTokenWorkerCore:
             if payload.num_moves:
                 src = torch.from_numpy(payload.src)
                 dst = torch.from_numpy(payload.dst)
-                if self.layer_stack() is not None:
-                    self.layer_stack().move(src, dst)
-                else:
-                    for kv, lay in self.kv_caches():
-                        lay.move_tokens(kv, src, dst)
+                self._move_every_layer(src, dst)
             for rid, off in payload.offsets.items():
                 if off:
                     self.offsets[rid] = off
@@ -246,11 +242,7 @@ class VTokenWorkerCore:
         offs = torch.arange(bs, dtype=torch.int64)
         src = (ids[:, 0, None] * bs + offs).reshape(-1)
         dst = (ids[:, 1, None] * bs + offs).reshape(-1)
-        if self.layer_stack() is not None:
-            self.layer_stack().move(src, dst)
-        else:
-            for kv, lay in caches:
-                lay.move_tokens(kv, src.to(kv.device), dst.to(kv.device))
+        self._move_every_layer(src, dst)
         if self.decisions is not None:
             self.decisions.copy_slots(src, dst)
         self.copied_blocks += len(pairs)
@@ -263,6 +255,16 @@ class VTokenWorkerCore:
             logger.debug("vToken: KV moves %s", "in one batch over every layer" if self._stack is not None
                          else "layer by layer")
         return self._stack
+
+    def _move_every_layer(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move K and V of slots ``src`` to ``dst`` (int64 ``[M]``) in every layer and KV head:
+        one batch through :meth:`layer_stack`, else layer by layer."""
+        stack = self.layer_stack()
+        if stack is not None:
+            stack.move(src, dst)
+            return
+        for kv, lay in self.kv_caches():
+            lay.move_tokens(kv, src.to(kv.device), dst.to(kv.device))
 
     def _apply_set_moves(self, gran: str, src: torch.Tensor, dst: torch.Tensor, sets: torch.Tensor) -> None:
         """Apply one group's K/V moves to the (layer, KV head) pairs each move's token set covers
@@ -279,8 +281,7 @@ class VTokenWorkerCore:
             stack.move(src, dst, layers, heads)  # every layer's moves in one gather and one scatter
             return
         if gran == "request":
-            for kv, lay in caches:
-                lay.move_tokens(kv, src, dst)
+            self._move_every_layer(src, dst)
         elif gran == "head_shared":
             for kv, lay in caches:
                 lay.move_tokens(kv, src, dst, heads=sets)

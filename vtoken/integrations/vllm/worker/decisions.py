@@ -52,6 +52,7 @@ from vtoken.config import VTokenConfig
 from vtoken.decider import DeviceDecider, side_bytes_per_token
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload, WorkerSpec
 from vtoken.policies.base import AttentionNeed
+from vtoken.integrations.vllm.worker.scoring import set_means
 
 __all__ = ["WorkerDecisions", "reserve_side_cache"]
 
@@ -448,18 +449,7 @@ class WorkerDecisions:
             table = g.table(grows)
             slots = table[seg.to(dev), (rel // bs).to(dev)] * bs + (rel % bs).to(dev)
             t = norms[:, (qs[seg] + j).to(norms.device), :].permute(0, 2, 1).contiguous()  # [L, Hkv, T]
-            gran = g.granularity
-            if gran == "head":
-                vals = t.reshape(-1, t.shape[-1])
-            elif gran == "layer":
-                vals = t.mean(dim=1)
-            elif gran == "head_shared":
-                vals = t.mean(dim=0)
-            elif gran == "request":
-                vals = t.mean(dim=(0, 1))[None]
-            else:
-                raise ValueError(f"vToken: unknown granularity {gran!r}")
-            g.dec.observe_written(slots, vals.to(dev))
+            g.dec.observe_written(slots, set_means(g.granularity, t).to(dev))
 
     def fold(self, scores: Optional[ScoreMap]) -> None:
         """Fold the step's statistics (req_id -> (col_sum, last_row), float64 ``[live]``, or

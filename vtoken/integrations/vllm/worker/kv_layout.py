@@ -361,11 +361,14 @@ class CPULayerStack:
         elem: int64 ``[B, 2, hd]``: ``w * B * hd + idx_w[o, d]``.
         s0, s1: element strides of a block and of a KV head.
         num_kv_heads: ``H``.
+        num_blocks: blocks per layer.
+        strides: the K and V ``(offset, dim)`` strides of the probed layout (``TokenLayout.k_strides``,
+            ``v_strides``; None where it is not affine).
     """
 
     def __init__(self, flat: torch.Tensor, layer_off: torch.Tensor, elem: torch.Tensor, s0: int, s1: int,
-                 num_kv_heads: int, num_blocks: int = 0,
-                 strides: Optional[tuple[Optional[tuple[int, int]], Optional[tuple[int, int]]]] = None):
+                 num_kv_heads: int, num_blocks: int,
+                 strides: tuple[Optional[tuple[int, int]], Optional[tuple[int, int]]]):
         self.flat, self.layer_off, self.elem = flat, layer_off, elem
         self.s0, self.s1, self.num_kv_heads = s0, s1, num_kv_heads
         self.block_size = int(elem.shape[0])
@@ -376,7 +379,7 @@ class CPULayerStack:
         self.views: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         off = layer_off.tolist()
         step = off[1] - off[0] if len(off) > 1 else 1
-        if strides is not None and None not in strides and step > 0 and off == [off[0] + i * step for i in range(len(off))]:
+        if None not in strides and step > 0 and off == [off[0] + i * step for i in range(len(off))]:
             hd = elem.shape[2]
             self.views = tuple(flat.as_strided((len(off), num_blocks, num_kv_heads, self.block_size, hd),
                                                (step, s0, s1, *st), off[0] + w * self.block_size * hd)

@@ -98,6 +98,25 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
     return col, last
 
 
+def set_means(gran: str, t: torch.Tensor) -> torch.Tensor:
+    """Per-(layer, KV head) statistics ``[L, Hkv, n]`` -> each token set's, ``[S, n]`` (same
+    dtype; ``docs/granularity.md``): ``head``: every (layer, KV head), layer-major; ``layer``: the
+    mean over KV heads; ``head_shared``: the mean over layers; ``request``: over both (``S = 1``).
+
+    Raises:
+        ValueError: an unknown granularity.
+    """
+    if gran == "head":
+        return t.reshape(-1, t.shape[-1])
+    if gran == "layer":
+        return t.mean(dim=1)
+    if gran == "head_shared":
+        return t.mean(dim=0)
+    if gran == "request":
+        return t.mean(dim=(0, 1))[None]
+    raise ValueError(f"vToken scoring: unknown granularity {gran!r}")
+
+
 class StepScores:
     """Accumulates one step's attention statistics per request across layers.
 
@@ -361,11 +380,4 @@ class StepScores:
         ``head_shared``: the mean over layers."""
         if any(x is None for x in per_layer):
             return None
-        t = torch.stack(per_layer)  # [L, Hkv, n]
-        if gran == "head":
-            return t.reshape(-1, t.shape[-1]).numpy()
-        if gran == "layer":
-            return t.mean(dim=1).numpy()
-        if gran == "head_shared":
-            return t.mean(dim=0).numpy()
-        raise ValueError(f"vToken scoring: unknown granularity {gran!r}")
+        return set_means(gran, torch.stack(per_layer)).numpy()
