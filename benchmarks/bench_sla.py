@@ -145,7 +145,8 @@ class Server:
     always killed on exit); a context manager that waits for ``/health`` on entry."""
 
     def __init__(self, model_dir: Path, vt: dict | None, *, pool_blocks: int, port: int, log: Path,
-                 max_model_len: int, block_size: int, threads: int, max_num_seqs: int | None = None):
+                 max_model_len: int, block_size: int, threads: int, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.args = ["--dtype", "bfloat16", "--block-size", str(block_size),
                      "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.1",
                      "--num-gpu-blocks-override", str(pool_blocks), "--no-enable-prefix-caching",
@@ -155,6 +156,8 @@ class Server:
                      "--disable-uvicorn-access-log"]
         if max_num_seqs is not None:
             self.args += ["--max-num-seqs", str(max_num_seqs)]
+        if max_num_batched_tokens is not None:
+            self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
         self.model_dir, self.vt, self.port, self.log, self.threads = model_dir, vt, port, log, threads
         self.cmd = server_argv(str(model_dir), port, self.args, None if vt is None else {"vtoken": vt},
                                served_model_name="smollm2")
@@ -191,12 +194,14 @@ class Server:
 def bench_argv(*, port: int, model_dir: Path, dataset: Path, num_prompts: int, rate: float, out_len: int,
                result_dir: Path, filename: str, goodput: dict | None,
                max_concurrency: int | None = None) -> list[str]:
+    """``vllm bench serve`` argv on a ShareGPT-format ``dataset`` (ShareGPT's own, or
+    :func:`long_prompts`')."""
+    data = ["--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--sharegpt-output-len", str(out_len)]
     a = ["bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-         "--host", "127.0.0.1", "--port", str(port),
-         "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+         "--host", "127.0.0.1", "--port", str(port), *data,
          "--model", "smollm2", "--tokenizer", str(model_dir),
          "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", "0",
-         "--sharegpt-output-len", str(out_len), "--ignore-eos", "--temperature", "0",
+         "--ignore-eos", "--temperature", "0",
          "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
          "--save-result", "--save-detailed", "--result-dir", str(result_dir),
          "--result-filename", filename, "--disable-tqdm"]
@@ -208,6 +213,44 @@ def bench_argv(*, port: int, model_dir: Path, dataset: Path, num_prompts: int, r
     if max_concurrency is not None:
         a += ["--max-concurrency", str(max_concurrency)]
     return a
+
+
+def long_prompts(n: int, prompt_len: int, k: int = 32) -> Path:
+    """A ShareGPT-format JSON of ``n`` prompts of at most ``prompt_len`` tokens: the first
+    ``prompt_len`` tokens of the conversations ``make bench-quality`` scores (``bench_quality.py``:
+    ``load_long_conversations(n, prompt_len + K, seed=1)``, chat template applied, K = 32), decoded
+    to text, so the SLA arms serve the prompts whose ΔNLL the quality table reports. A prompt is cut
+    a token at a time until the text re-tokenizes to at most ``prompt_len`` tokens (vLLM's ShareGPT
+    loader drops prompts over 1,024 tokens; the result files hold the exact ``input_lens``). Each
+    conversation's second turn is a placeholder (``--sharegpt-output-len`` fixes the output).
+    Written under vToken's data cache, next to the long ShareGPT file.
+
+    Raises:
+        SystemExit: ``prompt_len`` over 1,024 (vLLM's ShareGPT loader's prompt limit).
+    """
+    if prompt_len > 1024:
+        raise SystemExit(f"--prompt-len {prompt_len}: at most 1024 (vLLM's ShareGPT loader drops longer prompts)")
+    from transformers import AutoTokenizer
+
+    from vtoken.assets.paths import ensure_sharegpt_long, smollm2_dir
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import load_long_conversations
+
+    out = ensure_sharegpt_long().parent / f"sla_prompts_n{n}_len{prompt_len}.json"
+    if out.exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()))
+    rows = []
+    for c in load_long_conversations(n, prompt_len + k, seed=1):
+        ids = c["ids"][:prompt_len]
+        while len(tok(text := tok.decode(ids))["input_ids"]) > prompt_len:
+            ids = ids[:-1]
+        rows.append({"id": c["id"], "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "-"}]})
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows))
+    tmp.replace(out)
+    return out
 
 
 def run_bench(argv: list[str]) -> dict:
@@ -349,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--rates", type=float, nargs="+", default=None)
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="serve the quality benchmark's conversations cut to this many tokens (e.g. 1024, as "
+                         "make bench-quality scores them) instead of ShareGPT's own prompts")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM's --max-num-batched-tokens for every arm (the prefill chunk)")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--unloaded-prompts", type=int, default=None,
@@ -390,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = ensure_smollm2()
     dataset = ensure_sharegpt()
+    if a.prompt_len is not None:
+        if a.prompt_len + out_len > a.max_model_len:
+            raise SystemExit(f"--prompt-len {a.prompt_len} + --output-len {out_len} > --max-model-len {a.max_model_len}")
+        dataset = long_prompts(max(num_prompts, unloaded_prompts), a.prompt_len)
 
     arms = build_arms(policies, budget, pacings, seqs)
     if a.arms:
@@ -406,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         config=dict(policies=policies, pacings=pacings, max_num_seqs=seqs, budget=budget, pool_blocks=a.pool_blocks,
                     block_size=a.block_size, pool_tokens=a.pool_blocks * a.block_size, max_model_len=a.max_model_len,
                     rates=rates, num_prompts=num_prompts, output_len=out_len, unloaded_prompts=unloaded_prompts,
+                    prompt_len=a.prompt_len, max_num_batched_tokens=a.max_num_batched_tokens,
                     k_ttft=a.k_ttft, k_tpot=a.k_tpot, attainment_threshold=a.attain, threads=a.threads,
                     search=a.search,
                     dataset=str(dataset), model=str(model_dir)),
@@ -420,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     for arm, vt, nseq in arms:
         rec: dict = dict(vtoken=vt, max_num_seqs=nseq, runs=[])
         srv = Server(model_dir, vt, pool_blocks=a.pool_blocks, port=a.port, log=rdir / f"{arm}.server.log",
-                     max_model_len=a.max_model_len, block_size=a.block_size, threads=a.threads, max_num_seqs=nseq)
+                     max_model_len=a.max_model_len, block_size=a.block_size, threads=a.threads, max_num_seqs=nseq,
+                     max_num_batched_tokens=a.max_num_batched_tokens)
         rec["server_cmd"] = " ".join(srv.cmd[:1] + [repr(c) if " " in c else c for c in srv.cmd[1:]])
         summary["commands"].append(f"OMP_NUM_THREADS={a.threads} " + rec["server_cmd"])
         try:

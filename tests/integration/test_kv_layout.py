@@ -263,3 +263,62 @@ def test_layer_stack_reads_every_layer_as_the_maps_say(dtype, isa):
     # layers at uneven offsets: no strided views
     uneven = [caches[0], (buf[64 + 2 * per: 64 + 3 * per].view(nb, H, bs, 2 * hd), caches[0][1]), caches[1]]
     assert CPULayerStack.build(uneven).views is None
+
+
+@pytest.mark.parametrize("dtype,isa", _cases())
+def test_deferred_decode_scores_equal_layer_by_layer_and_the_reference(dtype, isa):
+    """``StepScores`` with a layer stack: the one-query rows keep only their queries per layer
+    and read every layer's keys once after the forward. Its statistics equal the per-layer path
+    and a float64 reference (softmax of ``q . k * scale`` over the slots, mean over query heads,
+    then over layers; a ``head`` row's sets: each (layer, KV head)'s mean over its query heads)."""
+    from types import SimpleNamespace
+
+    from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack
+    from vtoken.integrations.vllm.worker.scoring import StepScores
+    from vtoken.policies.base import AttentionNeed
+
+    g = torch.Generator().manual_seed(5)
+    L, nb, H, bs, hd, Hq = 3, 8, 3, 32, 64, 9
+    layout = probe_cpu_layout(dtype, isa, bs, hd, H)
+    per = nb * H * bs * 2 * hd
+    buf = torch.randn(L * per + 64, generator=g).to(dtype)
+    caches = [(buf[64 + l * per: 64 + (l + 1) * per].view(nb, H, bs, 2 * hd), CPUKVLayout(layout)) for l in range(L)]
+    stack = CPULayerStack.build(caches)
+    if stack.views is None:
+        pytest.skip("no strided views for this layout: scoring stays layer by layer")
+    lens = [70, 33, 96]
+    block_table = torch.tensor([[4, 1, 6], [0, 5, 7], [2, 3, 7]], dtype=torch.int32)
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 2, 3]), seq_lens=torch.tensor(lens),
+                           block_table=block_table)
+    impl = SimpleNamespace(num_heads=Hq, head_size=hd, num_kv_heads=H, scale=0.125)
+    need = AttentionNeed.COL_SUM.value | AttentionNeed.LAST_ROW.value
+    rows = [(0, "a", need), (1, "b", need), (2, "c", AttentionNeed.LAST_ROW.value)]
+    grans = {"b": "head"}
+    qs = [torch.randn(3, Hq * hd, generator=g) for _ in range(L)]
+
+    def run(with_stack):
+        st = StepScores(rows, grans=grans, stack=stack if with_stack else None)
+        assert st.deferred == with_stack
+        for l, (kv, lay) in enumerate(caches):
+            st.accumulate(impl, qs[l], kv, meta, lay, layer_index=l)
+        return st.result()
+
+    got, per_layer = run(True), run(False)
+    G = Hq // H
+    for i, (_, rid, nd) in enumerate(rows):
+        n = lens[i]
+        sets = []
+        for l, (kv, _) in enumerate(caches):
+            k = _values(kv, layout, block_table[i].long(), n)[0].double()  # [n, H, hd]
+            q = qs[l][i].double().view(Hq, hd)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q, k.repeat_interleave(G, dim=1)) * 0.125, dim=-1)
+            sets.append(p.view(H, G, n).mean(dim=1))  # [H, n]
+        want = torch.stack(sets).reshape(L * H, n) if rid in grans else torch.stack(sets).mean(dim=(0, 1))
+        for j, flag in enumerate((AttentionNeed.COL_SUM.value, AttentionNeed.LAST_ROW.value)):
+            if not nd & flag:
+                assert got[rid][j] is None and per_layer[rid][j] is None
+                continue
+            assert got[rid][j].shape == want.shape, rid
+            assert torch.allclose(torch.from_numpy(got[rid][j]), want, rtol=1e-5, atol=1e-7), (rid, j)
+            assert torch.allclose(torch.from_numpy(got[rid][j]), torch.from_numpy(per_layer[rid][j]),
+                                  rtol=1e-6, atol=1e-9), (rid, j)

@@ -162,7 +162,7 @@ class VTokenWorkerCore:
                 res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
                 st = core.step
                 if st is not None and attn_metadata is not None and kv_cache.numel() > 0:
-                    per_layer = st.grans or st.needs_keys or st.moment_rows
+                    per_layer = st.grans or st.needs_keys or st.moment_rows or st.deferred
                     st.accumulate(_impl, query, kv_cache, attn_metadata, core.layout_for(lyr, kv_cache),
                                   layer_index=core.layer_index(kv_cache) if per_layer else None, key=key)
                 return res
@@ -489,7 +489,7 @@ class VTokenWorkerCore:
                         raise RuntimeError("vToken: policy 'expected_attention' cannot run here: "
                                            f"{self.rope_missing or 'the runner gave no positions'}")
                     rope = (self.rope, positions)
-                self.step = StepScores(rows, grans=grans, windows=windows, rope=rope)
+                self.step = StepScores(rows, grans=grans, windows=windows, rope=rope, stack=self.layer_stack())
 
     def take_scores(self) -> Optional[ScoreMap]:
         """The step's statistics (req_id -> (col_sum, last_row)), or None; disarms :attr:`step`.

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from vtoken.integrations.vllm.worker.kv_layout import KVLayout
+from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack, KVLayout
 from vtoken.policies.base import AttentionNeed
 
 __all__ = ["StepScores", "prefill_stats", "TILE_ELEMS", "MAX_TILE_ROWS"]
@@ -22,6 +22,9 @@ __all__ = ["StepScores", "prefill_stats", "TILE_ELEMS", "MAX_TILE_ROWS"]
 #: Most logits one query tile of the prefill column-sum path holds (``Hq * rows * n``): 4M
 #: elements (16 MiB in float32); the softmax adds one more (the sums need no float64 copy).
 TILE_ELEMS = 1 << 22
+#: Most key elements (float32) one read of every layer's keys holds in the deferred one-query
+#: path (:meth:`StepScores._finish_singles`): 16M (64 MiB); rows are read in chunks under it.
+STACK_READ_ELEMS = 1 << 24
 #: Most query rows per tile: smaller tiles skip more of the causal triangle's masked keys.
 MAX_TILE_ROWS = 128
 
@@ -154,8 +157,15 @@ class StepScores:
 
     def __init__(self, rows: list[tuple[int, str, int]], tile_elems: Optional[int] = None,
                  grans: Optional[dict[str, str]] = None, windows: Optional[dict[str, int]] = None,
-                 rope: Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None):
+                 rope: Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 stack: Optional[CPULayerStack] = None):
         self.rows = rows
+        #: every layer's KV cache as one tensor (``CPULayerStack`` with ``views``): the one-query
+        #: rows' probabilities are then computed once after the forward, every layer in one batch
+        #: (:meth:`_finish_singles`); each layer only keeps its queries
+        self.stack = stack if stack is not None and stack.views is not None else None
+        self.deferred = self.stack is not None
+        self._single_q: dict[int, tuple[torch.Tensor, torch.Tensor, KVLayout, Any]] = {}
         #: rows that need query moments: (batch row, req_id)
         self.moment_rows = [(row, rid) for row, rid, need in rows if need & AttentionNeed.QUERY_MOMENTS.value]
         self._rope = rope
@@ -206,7 +216,8 @@ class StepScores:
             blocks = bt[:, (s // bs).clamp(max=bt.shape[1] - 1)].clamp(0, kv_cache.shape[0] - 1)  # [R, max_n]
             lens = torch.tensor([x[3] for x in singles])
             plan.update(blocks=blocks, offsets=s % bs, pad=s[None, :] >= lens[:, None],
-                        q_index=torch.tensor([x[4] for x in singles]), max_n=max_n)
+                        q_index=torch.tensor([x[4] for x in singles]), max_n=max_n,
+                        block_rows=bt.clamp(0, kv_cache.shape[0] - 1))
         return plan
 
     def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: KVLayout,
@@ -242,22 +253,14 @@ class StepScores:
             self._key_norms[layer_index] = torch.linalg.vector_norm(key.reshape(key.shape[0], Hkv, hd), dim=-1,
                                                                     dtype=torch.float64)
         if plan["singles"]:
-            k = layout.gather_keys_batched(kv_cache, plan["blocks"], plan["offsets"])  # [R, Hkv, max_n, hd]
-            R = k.shape[0]
-            q = q_all[plan["q_index"]].float().view(R, Hkv, Hq // Hkv, hd)
-            logits = torch.einsum("rkgd,rknd->rkgn", q, k) * impl.scale
-            logits.masked_fill_(plan["pad"][:, None, None, :], float("-inf"))
-            p_all = torch.softmax(logits, dim=-1)  # [R, Hkv, G, max_n]
-            probs = p_all.mean(dim=(1, 2)).double()  # [R, max_n]
-            self._single_acc = probs if self._single_acc is None else self._single_acc + probs
-            if self.grans:
-                per_head = p_all.double().mean(dim=2)  # [R, Hkv, max_n]: each KV head's query heads
-                for i, (_, rid, need, n, _) in enumerate(plan["singles"]):
-                    if rid in self.grans:
-                        ph = per_head[i, :, :n]
-                        self._sets.setdefault(rid, {})[layer_index] = [
-                            ph if need & AttentionNeed.COL_SUM.value else None,
-                            ph if need & AttentionNeed.LAST_ROW.value else None]
+            q = q_all[plan["q_index"]]
+            if self.deferred and layer_index is not None:
+                # the keys are read after the forward, every layer at once (the cache's slots
+                # 0..n-1 of this layer do not change before then)
+                self._single_q[layer_index] = (q, kv_cache, layout, impl)
+            else:
+                k = layout.gather_keys_batched(kv_cache, plan["blocks"], plan["offsets"])  # [R, Hkv, max_n, hd]
+                self._fold_singles(q[:, None], k[:, None], impl.scale, [layer_index])
         for row, rid, need, n, qs, qe in plan["multis"]:
             k = layout.gather_keys(kv_cache, meta.block_table[row].to(torch.int64), n)  # [Hkv, n, hd]
             if rid in self.grans:
@@ -270,6 +273,67 @@ class StepScores:
             self.col[rid] = c if rid not in self.col else self.col[rid] + c
             if r is not None:
                 self.last[rid] = r if rid not in self.last else self.last[rid] + r
+
+    def _fold_singles(self, q: torch.Tensor, k: torch.Tensor, scale: float, layers: list[Optional[int]],
+                      rows: slice = slice(None)) -> None:
+        """Fold the one-query rows' probabilities of one or more layers in.
+
+        Args:
+            q: ``[R, L, Hq, hd]`` the rows' queries (any float dtype; float32 here).
+            k: float32 ``[R, L, Hkv, max_n, hd]``, their keys (``max_n`` the plan's).
+            scale: the attention softmax scale (one for every layer).
+            layers: the ``L`` layer indices (their token sets).
+            rows: the plan's singles these ``R`` rows are.
+        """
+        plan = self._plan
+        R, L, Hq, hd = q.shape
+        Hkv = k.shape[2]
+        q = q.float().view(R, L, Hkv, Hq // Hkv, hd)
+        logits = torch.einsum("rlkgd,rlknd->rlkgn", q, k) * scale
+        logits.masked_fill_(plan["pad"][rows][:, None, None, None, :], float("-inf"))
+        p_all = torch.softmax(logits, dim=-1)  # [R, L, Hkv, G, max_n]
+        probs = p_all.mean(dim=(2, 3)).double().sum(dim=1)  # [R, max_n]: each layer's mean, summed
+        if self._single_acc is None:
+            self._single_acc = torch.zeros(len(plan["singles"]), plan["max_n"], dtype=torch.float64)
+        self._single_acc[rows] += probs
+        if self.grans:
+            per_head = p_all.double().mean(dim=3)  # [R, L, Hkv, max_n]: each KV head's query heads
+            for i, (_, rid, need, n, _) in enumerate(plan["singles"][rows]):
+                if rid in self.grans:
+                    sets = self._sets.setdefault(rid, {})
+                    for j, li in enumerate(layers):
+                        ph = per_head[i, j, :, :n]
+                        sets[li] = [ph if need & AttentionNeed.COL_SUM.value else None,
+                                    ph if need & AttentionNeed.LAST_ROW.value else None]
+
+    def _finish_singles(self) -> None:
+        """The deferred one-query rows: every layer's keys in one read of the layer stack
+        (rows in chunks of at most :data:`STACK_READ_ELEMS` key elements), one batched product and
+        softmax. Where the scored layers are not the stack's ``0..L-1``, layer by layer."""
+        if not self._single_q:
+            return
+        layers = sorted(self._single_q)
+        qs = self._single_q
+        self._single_q = {}
+        plan = self._plan
+        scale = qs[layers[0]][3].scale
+        stack = self.stack
+        L = stack.views[0].shape[0]
+        if layers != list(range(L)) or any(qs[i][3].scale != scale for i in layers):
+            for i in layers:
+                q, kv, lay, impl = qs[i]
+                k = lay.gather_keys_batched(kv, plan["blocks"], plan["offsets"])
+                self._fold_singles(q[:, None], k[:, None], impl.scale, [i])
+            return
+        q_all = torch.stack([qs[i][0] for i in layers], dim=1)  # [R, L, Hq, hd]
+        R, max_n = q_all.shape[0], plan["max_n"]
+        H, hd = stack.num_kv_heads, q_all.shape[-1]
+        per_row = L * H * (-(-max_n // stack.block_size) * stack.block_size) * hd
+        step = max(1, STACK_READ_ELEMS // per_row)
+        for r0 in range(0, R, step):
+            rows = slice(r0, min(R, r0 + step))
+            k = stack.read_rows(plan["block_rows"][rows], max_n, 0)  # [r, L * H, max_n, hd]
+            self._fold_singles(q_all[rows], k.view(k.shape[0], L, H, max_n, hd), scale, layers, rows)
 
     def _add_moments(self, q_all: torch.Tensor, meta, layer_index: int) -> None:
         """Keep one layer's queries of the moment rows (one gather); :meth:`take_moments`
@@ -343,6 +407,7 @@ class StepScores:
         """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked);
         rows that need key norms get a third entry, ``key_norm`` (``NaN`` outside the slots the
         step wrote); rows with several token sets ``[S, num_live]`` each."""
+        self._finish_singles()
         L = max(self.num_layers, 1)
         out = {}
         if self._plan is not None and self._single_acc is not None:
