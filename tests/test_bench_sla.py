@@ -63,3 +63,48 @@ def test_bisect_on_the_issue_26_grid_measures_three_rates():
     assert bisect_rates(grid, lambda r: r <= 0.5) == [0.75, 0.375, 0.5]
     assert bisect_rates(grid, lambda r: False) == [0.75, 0.375, 0.25]
     assert bisect_rates(grid, lambda r: True) == [0.75, 1.25, 1.5]
+
+
+def test_long_prompts_are_the_quality_benchmarks_conversations_and_refuse_over_1024(tmp_path, monkeypatch):
+    """``--prompt-len``: a ShareGPT-format file whose prompts are the first ``prompt_len`` tokens of
+    the conversations ``bench_quality.py`` scores (``load_long_conversations(n, prompt_len + 32,
+    seed=1)``), each re-tokenizing to at most ``prompt_len`` tokens; over 1,024 (vLLM's ShareGPT
+    loader's limit) it is refused by name. ``bench_argv`` loads it as vLLM's ``sharegpt`` dataset."""
+    import json
+
+    import pytest
+
+    import bench_sla
+    import common
+
+    with pytest.raises(SystemExit, match="--prompt-len 1025"):
+        bench_sla.long_prompts(40, 1025)
+
+    class Tok:  # one token per character: decode(ids) re-tokenizes to len(ids) tokens
+        def __call__(self, text):
+            return {"input_ids": list(text)}
+
+        def decode(self, ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    calls = []
+
+    def convs(n, min_tokens, seed):
+        calls.append((n, min_tokens, seed))
+        return [dict(id=f"c{i}", ids=list(range(i, i + min_tokens))) for i in range(n)]
+
+    import transformers
+    import vtoken.assets.paths as paths
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *_a, **_k: Tok()))
+    monkeypatch.setattr(common, "load_long_conversations", convs)
+    monkeypatch.setattr(paths, "ensure_sharegpt_long", lambda: tmp_path / "long.jsonl")
+    out = bench_sla.long_prompts(3, 10)
+    assert calls == [(3, 42, 1)]
+    rows = json.loads(out.read_text())
+    assert [r["id"] for r in rows] == ["c0", "c1", "c2"]
+    assert [r["conversations"][0]["value"] for r in rows] == ["abcdefghij", "bcdefghijk", "cdefghijkl"]
+    argv = bench_sla.bench_argv(port=1, model_dir=tmp_path, dataset=out, num_prompts=3, rate=0.5, out_len=128,
+                                result_dir=tmp_path, filename="x.json", goodput=None)
+    i = argv.index("--dataset-name")
+    assert argv[i:i + 6] == ["--dataset-name", "sharegpt", "--dataset-path", str(out), "--sharegpt-output-len", "128"]
