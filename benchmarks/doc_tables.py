@@ -448,9 +448,11 @@ def _rate_key(r: float | None) -> float:
     return -1.0 if r is None else r
 
 
-def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, goal_ratio: float = 1.5) -> str:
+def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, goal_ratio: float = 1.5,
+                   also: tuple[str, ...] = ("sla_at_quality_512.json",)) -> str:
     """README "Results": which policy to pick for which goal, from the SLA-at-quality run and the
-    quality files it names (every figure read from them; ties go to the better quality)."""
+    quality files it names (every figure read from them; ties go to the better quality). The goal
+    row also reads the runs ``also`` (another budget): their policies within ``goal_dnll``."""
     d = _load(name)
     grid, b = d["config"]["rates"], d["config"]["budget"]
     rows = sla_at_quality_rows(d=d)
@@ -490,9 +492,24 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
             if r["quality"]["delta_nll"] <= goal_dnll and v is not None and (n is None or v / n >= goal_ratio):
                 hits.append(f"`{r['policy']}` {pc} ({_sla_ratio(v, n, grid)})")
     within = [f"`{r['policy']}`" for r in rated if r["quality"]["delta_nll"] <= goal_dnll]
+    more = []
+    for name_b in also:  # runs at another budget: their policies within the goal's ΔNLL
+        e = _load(name_b)
+        eg, eb = e["config"]["rates"], e["config"]["budget"]
+        peak = lambda a: max((x["request_goodput"] for x in a["runs"]), default=0.0)  # noqa: E731
+        for r in sla_at_quality_rows(d=e):
+            if r["quality"] is None or r["quality"]["delta_nll"] > goal_dnll:
+                continue
+            pc, arm = best_arm(r)
+            n, v = r["naive"].get("sla_rate"), arm.get("sla_rate")
+            if v is not None and (n is None or v / n >= goal_ratio):
+                hits.append(f"`{r['policy']}` {pc} at budget {eb} ({_sla_ratio(v, n, eg)})")
+            more.append(f"at budget {eb}, `{r['policy']}` ({r['quality']['delta_nll']:+.3f}): SLA rate "
+                        f"{_sla_cell(arm, eg)} req/s ({pc}), Naive-Evict {_sla_cell(r['naive'], eg)}; peak goodput "
+                        f"{peak(arm) / peak(r['naive']):.2f}x Naive-Evict's")
     out.append(f"| ΔNLL within {goal_dnll:+.1f} and ≥ {goal_ratio:g}x Naive-Evict's SLA rate | "
                f"{', '.join(hits) if hits else 'none'} | policies within {goal_dnll:+.1f} at budget {b}: "
-               f"{', '.join(within) if within else 'none'} |")
+               f"{', '.join(within) if within else 'none'}{''.join('; ' + m for m in more)} |")
     return "\n".join(out) + "\n"
 
 
@@ -517,7 +534,12 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
           "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),
           "sla_keyonly_runs_table": lambda: sla_table("sla_at_quality_keyonly.json"),
-          "sla_keyonly_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_keyonly.json")}
+          "sla_keyonly_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_keyonly.json"),
+          "sla_512_table": lambda: sla_at_quality_table("sla_at_quality_512.json"),
+          "sla_512_runs_table": lambda: sla_table("sla_at_quality_512.json"),
+          "sla_512_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512.json"),
+          "sla_512_headline_table": lambda: sla_headline_table("sla_at_quality_512.json"),
+          "sla_512_k_grid_table": lambda: sla_k_grid_table("sla_at_quality_512.json")}
 
 
 if __name__ == "__main__":

@@ -1052,3 +1052,55 @@ def test_benchmarks_readme_step_cost_at_batch_32():
     assert f"Expected Attention ({r['evict-expected_attention@worker']['ratio_median']:.2f}x)" in flat
     la = [x["load_average_1m"] for x in d["runs"]]
     assert f"{d['total_wall_s']:.0f} s, 1-minute load average {min(la):.1f}-{max(la):.1f}" in flat
+
+
+def test_sla_512_section_is_generated_and_quotes_the_result_file():
+    """README_sla.md's budget-512 run (``make bench-sla-512``): its tables are generated, and every
+    figure its findings quote is the run's file (and the quality file it names)."""
+    doc_tables = _doc_tables()
+    text = (ROOT / "benchmarks" / "README_sla.md").read_text()
+    for name in ("sla_512_table", "sla_512_headline_table", "sla_512_runs_table", "sla_512_unloaded_table"):
+        assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name]()
+    sec = " ".join(text[text.index("### Budget 512 on 1,024-token prompts"):
+                        text.index("## Where vToken is ahead")].split())
+    d = _load("sla_at_quality_512.json")
+    A, cfg, slo = d["arms"], d["config"], d["slo"]
+    assert cfg["budget"] == 512 and cfg["prompt_len"] == 1024 and cfg["num_prompts"] == 40
+    assert d["command"].endswith(" ".join(text.split("make bench-sla-512` (= `python ")[1].split("`)")[0].split()))
+    la = [x["load_average_1m"] for a in A.values() for x in a["runs"]]
+    assert f"{d['total_wall_s']:,.0f} s; 1-minute load average {min(la):.1f}-{max(la):.1f} per rate" in sec
+    assert f"{cfg['pool_tokens']:,}-token pool ({cfg['pool_blocks']} blocks of {cfg['block_size']})" in sec
+    q = next(r for r in doc_tables.sla_at_quality_rows("sla_at_quality_512.json") if r["policy"] == "tova")["quality"]
+    assert f"TOVA is ({q['delta_nll']:+.3f}" in sec and q["delta_nll"] <= 0.3
+    un = {n: a["unloaded"]["p50_tpot_ms"] for n, a in A.items()}
+    assert f"TTFT <= {slo['k_ttft']:g} x {slo['ttft_a_ms']:.0f} ms, TPOT <= {slo['tpot_ms']} ms = 2 x stock's unloaded {un['stock']:.1f} ms" in sec
+    lo = cfg["rates"][0]
+    run = lambda n: next(x for x in A[n]["runs"] if x["rate"] == lo)  # noqa: E731
+    assert A["stock"]["sla_rate"] == lo and f"rate, {lo:g} req/s, where stock does ({run('stock')['attainment']:.2f})" in sec
+    assert all(A[n]["sla_rate"] is None for n in A if n != "stock")
+    v = run("vtoken-tova-worker")
+    miss_tpot = sum(tp > slo["tpot_ms"] for _, tp, _ in v["per_request_ttft_tpot_ms_prompt"])
+    miss_ttft = sum(tt > slo["k_ttft"] * slo["ttft_a_ms"] for tt, _, _ in v["per_request_ttft_tpot_ms_prompt"])
+    good = round(v["attainment"] * 40)
+    assert f"{v['attainment']:.2f} ({good} of 40; {miss_tpot} miss the TPOT SLO, {miss_ttft} the TTFT SLO)" in sec
+    assert f"up to {v['num_requests_running_max']:.0f} requests running where stock runs {run('stock')['num_requests_running_max']:.0f}" in sec
+    assert v["preemptions"] == 0
+    nv = run("naive-tova-worker")
+    assert f"({nv['preemptions']:.0f} preemptions at {lo:g} req/s, P50 TPOT {nv['p50_tpot_ms']:.0f} ms)" in sec
+    h = d["headline"]
+    pg = {n: x["peak_goodput"] for n, x in h["per_arm"].items()}
+    assert f"peak goodput is {h['ratios']['vtoken-tova-worker']['peak_goodput_over_naive']:.2f}x Naive-Evict's " \
+           f"({pg['vtoken-tova-worker']:.3f} against {pg['naive-tova-worker']:.3f} req/s)" in sec
+    assert f"but below stock's ({pg['stock']:.3f})" in sec
+    assert f"{un['vtoken-tova-worker']:.1f}" == f"{un['naive-tova-worker']:.1f}"
+    assert f"both TOVA arms take {un['vtoken-tova-worker']:.1f} ms a token against stock's {un['stock']:.1f} " \
+           f"({un['vtoken-tova-worker'] / un['stock']:.2f}x" in sec
+    g = d["k_grid_sla_rate"]["k_ttft=5,k_tpot=3"]
+    assert g["vtoken-tova-worker"] == 2 * g["stock"] and g["naive-tova-worker"] is None
+    assert f"fixed arm serves {g['vtoken-tova-worker']:g} req/s, 2x stock's {g['stock']:g}" in sec
+    assert f"({run('vtoken-tova-worker-pressure')['attainment']:.2f} at {lo:g} req/s)" in sec
+    assert f"(unloaded TPOT {un['vtoken-tova-worker-pressure']:.1f} ms)" in sec
+    make = (ROOT / "Makefile").read_text()
+    cmd = make[make.index("\nbench-sla-512:"):].split("\n\n")[0]
+    assert " ".join(cmd.replace("\\\n", " ").split()[3:]) == d["command"].removeprefix("python ")
+    assert "`make bench-sla-512`" in " ".join(_readme().split())
