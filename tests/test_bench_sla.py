@@ -108,3 +108,27 @@ def test_long_prompts_are_the_quality_benchmarks_conversations_and_refuse_over_1
                                 result_dir=tmp_path, filename="x.json", goodput=None)
     i = argv.index("--dataset-name")
     assert argv[i:i + 6] == ["--dataset-name", "sharegpt", "--dataset-path", str(out), "--sharegpt-output-len", "128"]
+
+
+def test_policy_specs_set_score_every_and_slack_and_refuse_the_rest():
+    """``--policies NAME[:seK][:slK][@worker]``: each option once, in the arm's vToken config and
+    name; the Naive-Evict arm gets the same config; anything else is refused by name."""
+    import pytest
+
+    from bench_sla import build_arms
+
+    arms = build_arms(["snapkv:sl128:se1000@worker", "h2o:se4"], 512, ["fixed", "pressure"], [None])
+    assert [(n, vt) for n, vt, _ in arms] == [
+        ("stock", None),
+        ("naive-snapkv-sl128-se1000-worker", {"mode": "naive", "policy": "snapkv", "budget": 512,
+                                              "decide_on": "worker", "slack": 128, "score_every": 1000}),
+        ("vtoken-snapkv-sl128-se1000-worker", {"policy": "snapkv", "budget": 512, "pacing": "fixed",
+                                               "decide_on": "worker", "slack": 128, "score_every": 1000}),
+        ("vtoken-snapkv-sl128-se1000-worker-pressure", {"policy": "snapkv", "budget": 512, "pacing": "pressure",
+                                                        "decide_on": "worker", "slack": 128, "score_every": 1000}),
+        ("naive-h2o-se4", {"mode": "naive", "policy": "h2o", "budget": 512, "score_every": 4}),
+        ("vtoken-h2o-se4", {"policy": "h2o", "budget": 512, "pacing": "fixed", "score_every": 4}),
+        ("vtoken-h2o-se4-pressure", {"policy": "h2o", "budget": 512, "pacing": "pressure", "score_every": 4})]
+    for bad in ("h2o:sx4", "h2o:se", "h2o:se4:se8", "h2o@gpu", "h2o:sl-1"):
+        with pytest.raises(SystemExit, match="allowed: NAME"):
+            build_arms([bad], 64, ["fixed"], [None])

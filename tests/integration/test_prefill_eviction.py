@@ -109,6 +109,35 @@ def test_mrv2_async(tiny, oracle):
     _check("mrv2-async", out, oracle)
 
 
+# Compressing the prompt (SnapKV as its paper runs it, approximated with existing settings;
+# bench_quality --compress and the budget-512 SLA run): slack = max_tokens and score_every beyond
+# max_tokens, so no decode step asks for statistics, and a decode step evicts only once the live
+# count passes budget + slack. A 130-token prompt (chunks of at most 72) is cut once, at the first
+# decode step, to the budget, and keeps all its generated tokens, where its chunks stay within
+# budget + slack; otherwise it is also cut between chunks, and its last chunk's tokens count against
+# the slack (so it may evict again late, from the prefill's statistics). Tokens equal the dense
+# oracle's either way.
+COMPRESS_VT = dict(VT, policy="snapkv", slack=NEW, score_every=1000)
+COMPRESS = [dict(id=f"{pol}-{n}", prompt_token_ids=_prompt(k, n), max_tokens=NEW, extra_args={"vtoken_policy": pol})
+            for k, (pol, n) in enumerate((p, n) for p in ("snapkv", "tova", "h2o") for n in (300, 130))]
+
+
+def test_prompt_compression_with_slack_and_score_every(tiny, oracle):
+    out = run_in_subprocess(dict(engine=_engine(tiny), vtoken=COMPRESS_VT, requests=COMPRESS), env=path_env("v1-sync"))
+    assert out["vtoken"]["stats"]["request_faults"] == 0
+    assert out["free_blocks_end"] == out["free_blocks_start"] == out["num_blocks"] - 1
+    fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
+    base = parse_config(COMPRESS_VT)
+    for r in COMPRESS:
+        f = fin[r["id"]]
+        ref = oracle(r["prompt_token_ids"], parse_request_overrides(r["extra_args"]).apply(base), f["prefill_chunks"])
+        assert out["tokens"][r["id"]] == list(ref.token_ids), r["id"]
+        assert f["evicted"] == ref.num_evicted + sum(map(len, ref.prefill_evicted_positions)), r["id"]
+    # the prompt cut once, at the first decode step, to the budget, and every generated token kept
+    once = [r["id"] for r in COMPRESS if fin[r["id"]]["evict_log"] == [[1, len(r["prompt_token_ids"]) - BUDGET]]]
+    assert once == ["snapkv-130"], {r["id"]: fin[r["id"]]["evict_log"] for r in COMPRESS}
+
+
 # Item 1 under pressure pacing: a request evicts between the chunks of its prompt only when the pool
 # is short, as in decode. 25 usable blocks for eight running requests (the 300-token prompts alone
 # would need 80 without eviction); the engine logs which chunk boundaries evicted how many
