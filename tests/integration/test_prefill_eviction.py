@@ -210,6 +210,39 @@ def test_stock_vllm_refuses_that_engine(tiny):
                           env=path_env("v1-sync"))
 
 
+def test_naive_evict_keeps_stock_admission(tiny, oracle):
+    """Naive-Evict frees a block only once every token in it is dead, so its requests get no
+    admission bound: with 14 usable blocks two 300-token prompts (10 blocks each) run one after
+    the other, as in stock vLLM, never preempted; a prompt longer than the pool is refused at
+    start-up by vLLM's own check (vToken's mode admits both at once, bounded at 5 blocks each)."""
+    from vtoken.integrations.vllm.sched.admission import engine_bound
+    from types import SimpleNamespace
+
+    two = [dict(id=f"n{i}", prompt_token_ids=_prompt(60 + i, 300), max_tokens=NEW, extra_args=None) for i in range(2)]
+    runs = {}
+    for mode in ("naive", "vtoken"):
+        out = run_in_subprocess(dict(engine=dict(_engine(tiny), num_gpu_blocks_override=15, max_model_len=448), vtoken=dict(VT, mode=mode),
+                                     requests=two), env=path_env("v1-sync"))
+        assert out["free_blocks_end"] == out["free_blocks_start"] == 14
+        runs[mode] = out
+    assert runs["naive"]["vtoken"]["stats"]["preemption_resets"] == 0
+    for mode, out in runs.items():  # the same decisions as the oracle on each request's own chunks
+        fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
+        for r in two:
+            ref = oracle(r["prompt_token_ids"], parse_config(dict(VT, mode=mode)), fin[r["id"]]["prefill_chunks"])
+            assert out["tokens"][r["id"]] == list(ref.token_ids), (mode, r["id"])
+    # vToken runs both at once (bounded), Naive-Evict one after the other (the second waits)
+    first = lambda out: {f["req_id"].rsplit("-", 1)[0]: f["prefill_chunks"] for f in out["vtoken"]["finished"]}  # noqa: E731
+    assert first(runs["naive"])["n0"] == [CHUNK] * 4 + [300 - 4 * CHUNK], first(runs["naive"])
+    assert first(runs["vtoken"])["n1"] != [CHUNK] * 4 + [300 - 4 * CHUNK], first(runs["vtoken"])
+    cfg = lambda mode: SimpleNamespace(additional_config={"vtoken": dict(VT, mode=mode)},  # noqa: E731
+                                       scheduler_config=SimpleNamespace(max_num_batched_tokens=CHUNK))
+    assert engine_bound(cfg("vtoken")) == BUDGET + CHUNK + 1 and engine_bound(cfg("naive")) is None
+    with pytest.raises(RuntimeError, match="max seq len"):
+        run_in_subprocess(dict(engine=dict(_engine(tiny), **LONG_ENGINE), vtoken=dict(LONG_VT, mode="naive"),
+                               requests=LONG), env=path_env("v1-sync"))
+
+
 def test_refused_without_worker_decisions_only():
     from vtoken.config import VTokenConfigError
 

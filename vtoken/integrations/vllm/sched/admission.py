@@ -17,6 +17,8 @@ of vLLM's checks assume a request holds its whole sequence, and vToken bounds bo
   (``BlockAccounting.admission_cap``, set by the scheduler when the request is added).
 
 ``max_model_len`` still applies as in vLLM (a longer prompt is rejected by vLLM's own checks).
+Naive-Evict (``mode: naive``) frees a block only once every token in it is dead, so its requests
+have no such bound: both checks stay stock for it.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ def request_bound(cfg: VTokenConfig, prompt_len: int, chunk: int) -> int:
 
 
 def engine_bound(vllm_config: Any) -> Optional[int]:
-    """:func:`request_bound` for the engine's own config, or None: no ``vtoken`` key, ``prefill_eviction``
-    is not ``chunks``, or the budget is a ratio of the prompt (then no bound holds for every prompt)."""
+    """:func:`request_bound` for the engine's own config, or None: no ``vtoken`` key, ``mode`` is
+    ``naive``, ``prefill_eviction`` is not ``chunks``, or the budget is a ratio of the prompt (then
+    no bound holds for every prompt)."""
     ac = getattr(vllm_config, "additional_config", None) or {}
     raw = ac.get("vtoken") if isinstance(ac, dict) else None
     if not raw:
         return None
     cfg = VTokenConfig.model_validate(raw)
-    if cfg.resolved_prefill_eviction() != "chunks" or cfg.budget_ratio is not None:
+    if cfg.mode != "vtoken" or cfg.resolved_prefill_eviction() != "chunks" or cfg.budget_ratio is not None:
         return None
     return request_bound(cfg, 0, vllm_config.scheduler_config.max_num_batched_tokens)
 

@@ -181,7 +181,9 @@ class VTokenSchedulerMixin:
             # still hashes and caches its blocks for others (only the lookup is skipped).
             request.skip_reading_prefix_cache = True
             self.vt_stats.prefix_reads_skipped += 1
-        if cfg is not None and cfg.resolved_prefill_eviction() == "chunks" and self._vt_may_evict(cfg, request):
+        if (cfg is not None and cfg.mode == "vtoken" and cfg.resolved_prefill_eviction() == "chunks"
+                and self._vt_may_evict(cfg, request)):
+            # (Naive-Evict frees a block only once every token in it is dead: no bound; stock admission)
             self._vt_accounting.admission_cap[request.request_id] = request_bound(
                 cfg, request.num_prompt_tokens, self.scheduler_config.max_num_batched_tokens)
         super().add_request(request)
