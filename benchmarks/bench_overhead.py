@@ -51,7 +51,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info  # noqa: E402
+from common import machine_info, policy_spec  # noqa: E402
 
 
 def make_spec(model_dir: Path, dtype: str, vocab: tuple[int, int], vt: dict | None, *, batch: int,
@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="h2o")
     ap.add_argument("--evict-budget", type=int, default=64)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 2)))
-    ap.add_argument("--policies", nargs="+", default=None, metavar="P[@worker]",
-                    help="arms: stock and one evicting arm per policy (P@worker: decide_on worker)")
+    ap.add_argument("--policies", nargs="+", default=None, metavar="NAME[:seK][:slK][@worker]",
+                    help="arms: stock and one evicting arm per policy spec (score_every K, slack K, decide_on "
+                         "worker; slack 0 unless :slK)")
     ap.add_argument("--name", default=None)
     a = ap.parse_args(argv)
     models = a.models or (["smollm2"] if a.small else ["smollm2", "tiny"])
@@ -138,11 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.policies:
         arms = {"stock": None}
         for spec in a.policies:
-            pol, _, where = spec.partition("@")
-            if where not in ("", "worker"):
-                ap.error(f"--policies {spec!r}: the suffix must be @worker (or none), got @{where}")
-            arms[f"evict-{spec}"] = {"policy": pol, "budget": a.evict_budget, "slack": 0,
-                                     **({"decide_on": "worker"} if where else {})}
+            pol, extra, _ = policy_spec(spec)
+            arms[f"evict-{spec}"] = {"policy": pol, "budget": a.evict_budget, "slack": 0, **extra}
     mdefs = {}
     for m in models:
         if m == "smollm2":

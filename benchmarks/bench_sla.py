@@ -62,6 +62,9 @@ PY = sys.executable
 
 from drivers.launcher import server_argv, start_server  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import policy_spec  # noqa: E402
+
 
 def _vllm_cli_main(argv: list[str]) -> int:
     """Run vLLM's CLI as vToken's ``vllm`` console script does (``vtoken.cli.vllm_main``)."""
@@ -347,19 +350,8 @@ def build_arms(policies: list[str], budget: int, pacings: list[str], seqs: list[
     decides on the worker too): ``h2o``, ``h2o:se4``, ``snapkv:sl128:se1000@worker``.
     Per spec: Naive-Evict, then vToken per pacing."""
     arms: list[tuple[str, dict | None]] = [("stock", None)]
-    keys = {"se": "score_every", "sl": "slack"}
     for spec in policies:
-        spec, at, where = spec.partition("@")
-        if at and where != "worker":
-            raise SystemExit(f"--policies {spec}@{where}: allowed: NAME[:seK][:slK][@worker]")
-        name, *opts = spec.split(":")
-        extra: dict = {"decide_on": "worker"} if at else {}
-        for opt in opts:
-            if opt[:2] not in keys or not opt[2:].isdigit() or keys[opt[:2]] in extra:
-                raise SystemExit(f"--policies {spec!r}: allowed: NAME[:seK][:slK] (score_every K, slack K; "
-                                 "each at most once)")
-            extra[keys[opt[:2]]] = int(opt[2:])
-        tag = "-".join([name, *opts]) + ("-worker" if at else "")  # ("@" marks --max-num-seqs)
+        name, extra, tag = policy_spec(spec)  # ("@" in an arm name marks --max-num-seqs)
         arms.append((f"naive-{tag}", {"mode": "naive", "policy": name, "budget": budget, **extra}))
         for pc in pacings:
             arms.append((f"vtoken-{tag}" + ("" if pc == "fixed" else f"-{pc}"),
@@ -380,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         return _vllm_cli_main(argv[1:])
     if argv and argv[0] == "--combine":
         return combine(argv[1:])
+    if argv and argv[0] == "--replace-arms":
+        return replace_arms(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="h2o only, 3 rates, 12 prompts (~10 min on 2 cores)")
     ap.add_argument("--policies", nargs="+", default=None,
@@ -668,6 +662,40 @@ def combine(argv: list[str]) -> int:
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
     report(out, rates)
     plot(out, RESULTS / f"{name}.png")
+    return 0
+
+
+def replace_arms(argv: list[str]) -> int:
+    """``--replace-arms BASE.json RERUN.json``: put the arms of a rerun (made with ``--slo-from BASE.json
+    --arms ...``) in place of those of BASE, in BASE's file. The replaced arms stay under
+    ``superseded_arms`` (with the rerun's command); headline, SLO-scale grid and plot are recomputed.
+
+    Raises:
+        SystemExit: the rerun has other SLOs or another rate grid than BASE, or an arm BASE lacks.
+    """
+    if len(argv) != 2:
+        raise SystemExit("--replace-arms BASE.json RERUN.json")
+    base_path, rerun_path = Path(argv[0]), Path(argv[1])
+    base, rerun = json.loads(base_path.read_text()), json.loads(rerun_path.read_text())
+    key = ("ttft_a_ms", "ttft_b_ms_per_token", "tpot_ms", "k_ttft", "k_tpot")
+    if [base["slo"][k] for k in key] != [rerun["slo"][k] for k in key] or base["config"]["rates"] != rerun["config"]["rates"]:
+        raise SystemExit(f"--replace-arms: {rerun_path} has other SLOs or rates than {base_path} "
+                         "(run it with --slo-from BASE and the same --rates)")
+    missing = [a for a in rerun["arms"] if a not in base["arms"]]
+    if missing:
+        raise SystemExit(f"--replace-arms: arms {missing} of {rerun_path} are not in {base_path} (it has {list(base['arms'])})")
+    sup = base.setdefault("superseded_arms", {})
+    for arm, rec in rerun["arms"].items():
+        sup[arm] = dict(base["arms"][arm], replaced_by=dict(file=str(rerun_path), command=rerun["command"],
+                                                            date=rerun["date"]))
+        base["arms"][arm] = dict(rec, rerun=dict(file=str(rerun_path), command=rerun["command"], date=rerun["date"],
+                                                 load_average_at_start=rerun["load_average_at_start"],
+                                                 total_wall_s=rerun["total_wall_s"]))
+    finish(base, base["config"]["rates"], base["config"]["attainment_threshold"])
+    base_path.write_text(json.dumps(base, indent=1))
+    report(base, base["config"]["rates"])
+    plot(base, base_path.with_suffix(".png"))
+    print(f"wrote {base_path}: arms {list(rerun['arms'])} from {rerun_path}")
     return 0
 
 

@@ -84,6 +84,30 @@ def machine_info() -> dict[str, Any]:
                 load_average_1_5_15=list(os.getloadavg()))
 
 
+def policy_spec(spec: str) -> tuple[str, dict[str, Any], str]:
+    """A benchmark's policy spec ``NAME[:seK][:slK][@worker]``: ``:seK`` sets ``score_every = K``,
+    ``:slK`` ``slack = K``, ``@worker`` ``decide_on: worker`` (e.g. ``h2o``, ``h2o:se4``,
+    ``snapkv:sl128:se1000@worker``).
+
+    Returns:
+        ``(policy name, the other vtoken config keys, an arm tag such as "snapkv-sl128-se1000-worker")``.
+    Raises:
+        SystemExit: another suffix than ``@worker``, or an option other than ``seK``/``slK`` or given twice.
+    """
+    body, at, where = spec.partition("@")
+    if at and where != "worker":
+        raise SystemExit(f"--policies {spec}: allowed: NAME[:seK][:slK][@worker]")
+    name, *opts = body.split(":")
+    keys = {"se": "score_every", "sl": "slack"}
+    extra: dict[str, Any] = {"decide_on": "worker"} if at else {}
+    for opt in opts:
+        if opt[:2] not in keys or not opt[2:].isdigit() or keys[opt[:2]] in extra:
+            raise SystemExit(f"--policies {body!r}: allowed: NAME[:seK][:slK] (score_every K, slack K; "
+                             "each at most once)")
+        extra[keys[opt[:2]]] = int(opt[2:])
+    return name, extra, "-".join([name, *opts]) + ("-worker" if at else "")
+
+
 def parse_size_args(argv, description: str, name: str, extra_sizes: tuple[str, ...] = (), from_partial: bool = False):
     """The ``--small | --full`` (default full), ``--out`` and ``--replot`` options shared by the benchmarks.
 

@@ -454,10 +454,13 @@ def _rate_key(r: float | None) -> float:
 
 
 def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, goal_ratio: float = 1.5,
-                   also: tuple[str, ...] = ("sla_at_quality_512.json",)) -> str:
+                   also: tuple[tuple[str, str], ...] = (("sla_at_quality_512_snapkv.json", "make bench-sla-512-snapkv"),
+                                                        ("sla_at_quality_512.json", "make bench-sla-512"))) -> str:
     """README "Results": which policy to pick for which goal, from the SLA-at-quality run and the
     quality files it names (every figure read from them; ties go to the better quality). The goal
-    row also reads the runs ``also`` (another budget): their policies within ``goal_dnll``."""
+    row (first) also reads the runs ``also`` (result file, the command that makes it; another
+    budget and prompt length): their policies within ``goal_dnll``, the ones reaching ``goal_ratio``
+    first, the others after "also within"."""
     d = _load(name)
     grid, b = d["config"]["rates"], d["config"]["budget"]
     rows = sla_at_quality_rows(d=d)
@@ -476,7 +479,7 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
         (f"`{r['policy']}`, {pc} pacing", r, a) for r in rows for pc, a in r["vtoken"].items()]
     top = max(cands, key=lambda c: (_rate_key(c[2].get("sla_rate")),
                                     -(c[1]["quality"]["delta_nll"] if c[1] and c[1]["quality"] else 0.0)))
-    out.append(f"| most requests within the SLOs | {top[0]} | SLA rate {_sla_cell(top[2], grid)} req/s; stock "
+    out.append(f"| most requests within the SLOs at budget {b} | {top[0]} | SLA rate {_sla_cell(top[2], grid)} req/s; stock "
                f"{_sla_cell(d['arms']['stock'], grid)} |")
     rc = sla_common_rate(d)
     kv = lambda a: _kv_mean(a, rc)  # noqa: E731  (every arm ran rc)
@@ -489,32 +492,40 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
     kr = next((r for r in rows if r["policy"] == k["policy"]), None)
     sla = "not in this SLA run" if kr is None else f"SLA rate {_sla_cell(best_arm(kr)[1], grid)} req/s"
     out.append(f"| no attention weights (key-only) | `{k['policy']}` | {fmt_q(k)}; {sla} |")
-    hits = []
+    hits, misses = [], []
     for r in rated:
         n = r["naive"].get("sla_rate")
         for pc, a in r["vtoken"].items():
             v = a.get("sla_rate")
             if r["quality"]["delta_nll"] <= goal_dnll and v is not None and (n is None or v / n >= goal_ratio):
-                hits.append(f"`{r['policy']}` {pc} ({_sla_ratio(v, n, grid)})")
-    within = [f"`{r['policy']}`" for r in rated if r["quality"]["delta_nll"] <= goal_dnll]
-    more = []
-    for name_b in also:  # runs at another budget: their policies within the goal's ΔNLL
+                hits.append((f"`{r['policy']}`, {pc} pacing", f"{fmt_q(r['quality'])}; SLA rate {_sla_cell(a, grid)} "
+                             f"req/s, {_sla_ratio(v, n, grid)} Naive-Evict's (`make bench-sla-at-quality`)"))
+        if r["quality"]["delta_nll"] <= goal_dnll and not any(h[0].startswith(f"`{r['policy']}`") for h in hits):
+            misses.append(f"`{r['policy']}` at budget {b} (SLA rate {_sla_cell(best_arm(r)[1], grid)} req/s)")
+    for name_b, make in also:  # runs at another budget: their policies within the goal's ΔNLL
         e = _load(name_b)
-        eg, eb = e["config"]["rates"], e["config"]["budget"]
+        eg, c = e["config"]["rates"], e["config"]
         peak = lambda a: max((x["request_goodput"] for x in a["runs"]), default=0.0)  # noqa: E731
         for r in sla_at_quality_rows(d=e):
             if r["quality"] is None or r["quality"]["delta_nll"] > goal_dnll:
                 continue
             pc, arm = best_arm(r)
-            n, v = r["naive"].get("sla_rate"), arm.get("sla_rate")
+            n, v, s0 = r["naive"].get("sla_rate"), arm.get("sla_rate"), e["arms"]["stock"].get("sla_rate")
             if v is not None and (n is None or v / n >= goal_ratio):
-                hits.append(f"`{r['policy']}` {pc} at budget {eb} ({_sla_ratio(v, n, eg)})")
-            more.append(f"at budget {eb}, `{r['policy']}` ({r['quality']['delta_nll']:+.3f}): SLA rate "
-                        f"{_sla_cell(arm, eg)} req/s ({pc}), Naive-Evict {_sla_cell(r['naive'], eg)}; peak goodput "
-                        f"{peak(arm) / peak(r['naive']):.2f}x Naive-Evict's")
-    out.append(f"| ΔNLL within {goal_dnll:+.1f} and ≥ {goal_ratio:g}x Naive-Evict's SLA rate | "
-               f"{', '.join(hits) if hits else 'none'} | policies within {goal_dnll:+.1f} at budget {b}: "
-               f"{', '.join(within) if within else 'none'}{''.join('; ' + m for m in more)} |")
+                hits.append((f"{r['label']}, {pc} pacing, budget {c['budget']} on {c['prompt_len']:,}-token prompts",
+                             f"{fmt_q(r['quality'])}; SLA rate {_sla_cell(arm, eg)} req/s, {_sla_ratio(v, n, eg)} "
+                             f"Naive-Evict's and {_sla_ratio(v, s0, eg)} stock's; peak goodput "
+                             f"{peak(arm) / peak(r['naive']):.2f}x Naive-Evict's (`{make}`)"))
+            else:
+                misses.append(f"{r['label']} at budget {c['budget']} (SLA rate {_sla_cell(arm, eg)} req/s, "
+                              f"Naive-Evict {_sla_cell(r['naive'], eg)}; `{make}`)")
+    goal = f"| ΔNLL within {goal_dnll:+.1f} and ≥ {goal_ratio:g}x Naive-Evict's SLA rate | "
+    rest = f"also within {goal_dnll:+.1f}: {'; '.join(misses)}" if misses else ""
+    if hits:
+        out.insert(2, goal + hits[0][0] + " | " + hits[0][1] + "".join(f"; or {h[0]}: {h[1]}" for h in hits[1:])
+                   + (f"; {rest}" if rest else "") + " |")
+    else:
+        out.insert(2, goal + "none | " + (rest or f"no policy within {goal_dnll:+.1f}") + " |")
     return "\n".join(out) + "\n"
 
 
@@ -544,7 +555,11 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_512_runs_table": lambda: sla_table("sla_at_quality_512.json"),
           "sla_512_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512.json"),
           "sla_512_headline_table": lambda: sla_headline_table("sla_at_quality_512.json"),
-          "sla_512_k_grid_table": lambda: sla_k_grid_table("sla_at_quality_512.json")}
+          "sla_512_k_grid_table": lambda: sla_k_grid_table("sla_at_quality_512.json"),
+          "sla_512_snapkv_table": lambda: sla_at_quality_table("sla_at_quality_512_snapkv.json"),
+          "sla_512_snapkv_headline_table": lambda: sla_headline_table("sla_at_quality_512_snapkv.json"),
+          "sla_512_snapkv_runs_table": lambda: sla_table("sla_at_quality_512_snapkv.json"),
+          "sla_512_snapkv_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512_snapkv.json")}
 
 
 if __name__ == "__main__":

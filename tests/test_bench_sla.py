@@ -132,3 +132,47 @@ def test_policy_specs_set_score_every_and_slack_and_refuse_the_rest():
     for bad in ("h2o:sx4", "h2o:se", "h2o:se4:se8", "h2o@gpu", "h2o:sl-1"):
         with pytest.raises(SystemExit, match="allowed: NAME"):
             build_arms([bad], 64, ["fixed"], [None])
+
+
+def _summary(arms: dict[str, list[tuple[float, float, int]]], tpot_ms: float = 30.0, rates=(0.125, 0.25)) -> dict:
+    """A bench_sla result with one run per rate per arm: each run's requests ``(ttft, tpot, prompt)``."""
+    slo = dict(ttft_a_ms=100.0, ttft_b_ms_per_token=0.0, k_ttft=5.0, tpot_ms=tpot_ms, k_tpot=2.0,
+               unloaded_p50_tpot_ms=tpot_ms / 2)
+    out = dict(date="d", command="python benchmarks/bench_sla.py x", load_average_at_start=[1, 1, 1],
+               total_wall_s=1.0, slo=slo, machine=dict(cpu_count=2), arms={},
+               config=dict(rates=list(rates), attainment_threshold=THR, pool_blocks=65, block_size=32, budget=512,
+                           output_len=128))
+    for arm, reqs in arms.items():
+        runs = [dict(rate=r, attainment=sum(t <= 500 and p <= tpot_ms for t, p, _ in reqs) / len(reqs),
+                     request_goodput=r, request_throughput=r, preemptions=i, per_request_ttft_tpot_ms_prompt=reqs)
+                for i, r in enumerate(rates)]
+        out["arms"][arm] = dict(runs=runs, sla_rate=sla_rate(list(rates), [x["attainment"] for x in runs], THR),
+                                server_cmd="s")
+    return out
+
+
+def test_replace_arms_puts_the_rerun_in_place_keeps_the_old_arm_and_refuses_other_slos(tmp_path):
+    import json
+
+    import pytest
+    from bench_sla import replace_arms
+
+    good, bad = [(10.0, 10.0, 5)] * 10, [(10.0, 99.0, 5)] * 10
+    base = _summary({"stock": good, "naive-tova-worker": bad, "vtoken-tova-worker": good})
+    (tmp_path / "b.json").write_text(json.dumps(base))
+    (tmp_path / "r.json").write_text(json.dumps(_summary({"naive-tova-worker": good})))
+    assert replace_arms([str(tmp_path / "b.json"), str(tmp_path / "r.json")]) == 0
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert list(out["arms"]) == ["stock", "naive-tova-worker", "vtoken-tova-worker"]
+    assert out["arms"]["naive-tova-worker"]["sla_rate"] == 0.25
+    assert out["arms"]["naive-tova-worker"]["rerun"]["file"] == str(tmp_path / "r.json")
+    assert out["superseded_arms"]["naive-tova-worker"]["sla_rate"] is None
+    assert out["headline"]["ratios"]["vtoken-tova-worker"]["vtoken_over_naive"] == 1.0
+    assert out["headline"]["per_arm"]["naive-tova-worker"]["preemptions"] == 1
+    assert (tmp_path / "b.png").exists()
+    (tmp_path / "o.json").write_text(json.dumps(_summary({"naive-tova-worker": good}, tpot_ms=31.0)))
+    with pytest.raises(SystemExit, match="other SLOs or rates"):
+        replace_arms([str(tmp_path / "b.json"), str(tmp_path / "o.json")])
+    (tmp_path / "m.json").write_text(json.dumps(_summary({"naive-h2o-worker": good})))
+    with pytest.raises(SystemExit, match=r"arms \['naive-h2o-worker'\]"):
+        replace_arms([str(tmp_path / "b.json"), str(tmp_path / "m.json")])
