@@ -20,7 +20,8 @@ comparable on this shared machine).
 
 With ``--policies P [P ...]`` the arms are ``stock`` and one evicting arm per policy instead
 (``evict-<P>``; ``<P>@worker`` runs it with ``decide_on: worker``, which the key-only policies
-need): every policy's evicting step against stock in one run (issue 26, "step cost").
+need; ``:slK`` sets the slack, 0 otherwise, and ``:seK`` ``score_every``): every policy's evicting
+step against stock in one run (issue 26, "step cost").
 
 Writes ``benchmarks/results/<name>.json`` and ``<name>.png``.
 

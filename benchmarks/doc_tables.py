@@ -542,6 +542,7 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
           "overhead_keyonly_b32_table": lambda: overhead_table("overhead_keyonly_b32.json"),
+          "overhead_keyonly_slack_table": lambda: overhead_table("overhead_keyonly_slack.json"),
           "prefix_cache_table": prefix_cache_table, "longest_prompt_table": longest_prompt_table,
           "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table,
           "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,

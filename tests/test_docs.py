@@ -1163,3 +1163,28 @@ def test_sla_512_snapkv_section_is_generated_and_quotes_the_result_file():
     assert f"vToken's unloaded TPOT ({un[vt]:.1f} ms) is not above stock's ({un['stock']:.1f})" in sec and un[vt] <= un["stock"]
     p50 = [round(x["p50_tpot_ms"]) for x in A[vt]["runs"]]
     assert f"P50 TPOT rises to {min(p50)}-{max(p50)} ms" in sec
+
+
+def test_benchmarks_readme_step_cost_with_a_slack():
+    """The slack step-cost table is generated; the figures quoted above it are the result's, and
+    the arms ran with the slack the text names (16) against slack 0."""
+    doc_tables = _doc_tables()
+    text = BENCH_DOC.read_text()
+    assert _generated(text, "benchmarks/doc_tables.py overhead_keyonly_slack_table") == \
+        doc_tables.TABLES["overhead_keyonly_slack_table"]()
+    d = json.loads((RESULTS / "overhead_keyonly_slack.json").read_text())
+    flat = " ".join(text.split())
+    assert f"`{d['command']}`" in flat.replace("` -> `results/overhead_keyonly_slack.json`", "`")
+    arms, r = d["config"]["arms"], d["results"]["smollm2"]
+    assert arms["evict-keydiff:sl16@worker"]["slack"] == 16 and arms["evict-keydiff@worker"]["slack"] == 0
+    assert d["config"]["batch"] == 8
+    med = lambda a: r[a]["ratio_median"]  # noqa: E731
+    assert f"KeyDiff's mean step then costs {med('evict-keydiff:sl16@worker'):.2f}x stock " \
+           f"({med('evict-keydiff@worker'):.2f}x with slack 0 in this run)" in flat
+    assert f"Expected Attention's {med('evict-expected_attention:sl16@worker'):.2f}x " \
+           f"({med('evict-expected_attention@worker'):.2f}x)" in flat
+    la = [x["load_average_1m"] for x in d["runs"]]
+    assert f"{d['total_wall_s']:.0f} s, 1-minute load average {min(la):.1f}-{max(la):.1f}" in flat
+    st = {x["arm"]: x["vtoken_stats"] for x in d["runs"] if x["rep"] == 0}["evict-keydiff:sl16@worker"]
+    assert st["evictions"] == 8 * (128 // 16) and st["retained_blocks"] == 8 * 3
+    assert "holds 64-80 live tokens instead of 64 (here still 3 blocks of 32)" in flat
