@@ -512,7 +512,8 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
             pc, arm = best_arm(r)
             n, v, s0 = r["naive"].get("sla_rate"), arm.get("sla_rate"), e["arms"]["stock"].get("sla_rate")
             if v is not None and (n is None or v / n >= goal_ratio):
-                hits.append((f"{r['label']}, {pc} pacing, budget {c['budget']} on {c['prompt_len']:,}-token prompts",
+                vt = {k: v_ for k, v_ in arm["vtoken"].items() if (k, v_) != ("pacing", "fixed")}  # the default
+                hits.append((f"`{json.dumps(vt, separators=(',', ':'))}` on {c['prompt_len']:,}-token prompts",
                              f"{fmt_q(r['quality'])}; SLA rate {_sla_cell(arm, eg)} req/s, {_sla_ratio(v, n, eg)} "
                              f"Naive-Evict's and {_sla_ratio(v, s0, eg)} stock's; peak goodput "
                              f"{peak(arm) / peak(r['naive']):.2f}x Naive-Evict's (`{make}`)"))
