@@ -252,14 +252,15 @@ def test_layer_stack_reads_every_layer_as_the_maps_say(dtype, isa):
         assert stack.views is None
         return
     rows = torch.tensor([[4, 1, 6], [0, 5, 2]])
-    n = 70  # two whole blocks and 6 slots of the third
-    for which in (0, 1):
-        got = stack.read_rows(rows, n, which)
-        assert got.shape == (2, L * H, n, hd) and got.dtype == torch.float32
+    # two whole blocks and 6 slots of the third; whole blocks only; less than one block
+    for n, which, out_dtype in ((70, 0, torch.float32), (70, 1, torch.float32), (64, 0, torch.float64),
+                                (6, 1, torch.float64), (96, 1, torch.float32)):
+        got = stack.read_rows(rows, n, which, out_dtype)
+        assert got.shape == (2, L * H, n, hd) and got.dtype == out_dtype and got.is_contiguous()
         for l, (kv, _) in enumerate(caches):
             for r in range(2):
                 want = _values(kv, layout, rows[r], n)[which]  # [n, H, hd]
-                assert torch.equal(got[r, l * H:(l + 1) * H], want.permute(1, 0, 2).float()), (which, l, r)
+                assert torch.equal(got[r, l * H:(l + 1) * H], want.permute(1, 0, 2).to(out_dtype)), (n, which, l, r)
     # layers at uneven offsets: no strided views
     uneven = [caches[0], (buf[64 + 2 * per: 64 + 3 * per].view(nb, H, bs, 2 * hd), caches[0][1]), caches[1]]
     assert CPULayerStack.build(uneven).views is None

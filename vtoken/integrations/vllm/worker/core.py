@@ -318,7 +318,8 @@ class VTokenWorkerCore:
         """
         from vtoken.policies.keydiff import key_similarity
 
-        keys, _ = self._read_live(table, live, values=False)  # [R, L*Hkv, n, hd]
+        # float64 straight from the cache's dtype (one converting copy; key_similarity computes in float64)
+        keys, _ = self._read_live(table, live, values=False, dtype=torch.float64)  # [R, L*Hkv, n, hd]
         r, nl, hk, n = keys.shape[0], len(self.kv_caches()), keys.shape[1] // len(self.kv_caches()), keys.shape[2]
         # one batched similarity over every layer's heads (not one small op chain per layer)
         sims = key_similarity(keys, live.to(keys.device)).view(r, nl, hk, n).to(table.device)  # [R, L, Hkv, n]
@@ -374,17 +375,19 @@ class VTokenWorkerCore:
             return self.expected_attention_sets(table, live, gran, moments, start, policy.n_future)
         return self.key_similarity_sets(table, live, gran)
 
-    def _read_live(self, table: torch.Tensor, live: torch.Tensor, values: bool
+    def _read_live(self, table: torch.Tensor, live: torch.Tensor, values: bool, dtype: torch.dtype = torch.float32
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Keys (and values) of each request's live slots in every layer: float32
-        ``[R, L * Hkv, max(live), hd]`` (layer-major), one batched read per layer."""
+        ``[R, L * Hkv, max(live), hd]`` (layer-major), one batched read per layer; ``dtype``
+        float64 reads the keys into float64 where every layer is read in one copy
+        (:meth:`CPULayerStack.read_rows`), float32 elsewhere."""
         caches = self.kv_caches()
         bs = caches[0][0].shape[2]
         n = int(live.max()) if live.numel() else 0
         stack = self.layer_stack()
         if stack is not None and stack.views is not None and n:  # every layer in one copy each
             rows = table[:, : -(-n // bs)]
-            return stack.read_rows(rows, n, 0), (stack.read_rows(rows, n, 1) if values else None)
+            return stack.read_rows(rows, n, 0, dtype), (stack.read_rows(rows, n, 1, dtype) if values else None)
         if not values:
             cols = torch.arange(n, device=table.device)
             blocks = table.gather(1, (cols // bs)[None, :].expand(table.shape[0], n).clamp(max=table.shape[1] - 1))

@@ -385,11 +385,13 @@ class CPULayerStack:
                                                (step, s0, s1, *st), off[0] + w * self.block_size * hd)
                                for w, st in enumerate(strides))
 
-    def read_rows(self, block_rows: torch.Tensor, n: int, which: int) -> torch.Tensor:
+    def read_rows(self, block_rows: torch.Tensor, n: int, which: int,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Keys (``which`` 0) or values (1) of slots ``0..n-1`` of each block-table row, every
-        layer at once (one gather of whole blocks, one converting copy): float32
-        ``[R, L * H, n, hd]``, layer-major (a view of a ``[R, L * H, cdiv(n, B) * B, hd]``
-        tensor). Only where :attr:`views` is set.
+        layer at once (one gather of whole blocks, one converting copy): ``dtype`` (float32
+        or float64; either holds the cache's bf16/fp16 values exactly) ``[R, L * H, n, hd]``,
+        layer-major, contiguous (the whole blocks' slots past ``n`` are not copied). Only where
+        :attr:`views` is set.
 
         Args:
             block_rows: int64 ``[R, >= cdiv(n, B)]`` block ids.
@@ -398,9 +400,14 @@ class CPULayerStack:
         nblk = -(-n // bs)
         t = self.views[which][:, block_rows[:, :nblk]]  # [L, R, nblk, H, B, hd], the cache's dtype
         L, R, _, H, _, hd = t.shape
-        out = torch.empty((R, L, H, nblk, bs, hd), dtype=torch.float32)
-        out.copy_(t.permute(1, 0, 3, 2, 4, 5))
-        return out.view(R, L * H, nblk * bs, hd)[:, :, :n]
+        t = t.permute(1, 0, 3, 2, 4, 5)  # [R, L, H, nblk, B, hd]
+        out = torch.empty((R, L, H, n, hd), dtype=dtype)
+        full = n // bs
+        if full:  # the whole blocks in one converting copy, the last block's first slots in another
+            out[:, :, :, : full * bs].view(R, L, H, full, bs, hd).copy_(t[:, :, :, :full])
+        if n > full * bs:
+            out[:, :, :, full * bs:].copy_(t[:, :, :, full, : n - full * bs])
+        return out.view(R, L * H, n, hd)
 
     @classmethod
     def build(cls, caches: list[tuple[torch.Tensor, "KVLayout"]]) -> Optional["CPULayerStack"]:
