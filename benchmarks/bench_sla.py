@@ -685,11 +685,10 @@ def replace_arms(argv: list[str]) -> int:
     if missing:
         raise SystemExit(f"--replace-arms: arms {missing} of {rerun_path} are not in {base_path} (it has {list(base['arms'])})")
     sup = base.setdefault("superseded_arms", {})
+    src = dict(file=str(rerun_path), command=rerun["command"], date=rerun["date"])
     for arm, rec in rerun["arms"].items():
-        sup[arm] = dict(base["arms"][arm], replaced_by=dict(file=str(rerun_path), command=rerun["command"],
-                                                            date=rerun["date"]))
-        base["arms"][arm] = dict(rec, rerun=dict(file=str(rerun_path), command=rerun["command"], date=rerun["date"],
-                                                 load_average_at_start=rerun["load_average_at_start"],
+        sup[arm] = dict(base["arms"][arm], replaced_by=src)
+        base["arms"][arm] = dict(rec, rerun=dict(src, load_average_at_start=rerun["load_average_at_start"],
                                                  total_wall_s=rerun["total_wall_s"]))
     finish(base, base["config"]["rates"], base["config"]["attainment_threshold"])
     base_path.write_text(json.dumps(base, indent=1))

@@ -495,12 +495,14 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
     hits, misses = [], []
     for r in rated:
         n = r["naive"].get("sla_rate")
+        hit = False
         for pc, a in r["vtoken"].items():
             v = a.get("sla_rate")
             if r["quality"]["delta_nll"] <= goal_dnll and v is not None and (n is None or v / n >= goal_ratio):
+                hit = True
                 hits.append((f"`{r['policy']}`, {pc} pacing", f"{fmt_q(r['quality'])}; SLA rate {_sla_cell(a, grid)} "
                              f"req/s, {_sla_ratio(v, n, grid)} Naive-Evict's (`make bench-sla-at-quality`)"))
-        if r["quality"]["delta_nll"] <= goal_dnll and not any(h[0].startswith(f"`{r['policy']}`") for h in hits):
+        if r["quality"]["delta_nll"] <= goal_dnll and not hit:
             misses.append(f"`{r['policy']}` at budget {b} (SLA rate {_sla_cell(best_arm(r)[1], grid)} req/s)")
     for name_b, make in also:  # runs at another budget: their policies within the goal's ΔNLL
         e = _load(name_b)

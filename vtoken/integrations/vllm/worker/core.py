@@ -377,10 +377,9 @@ class VTokenWorkerCore:
 
     def _read_live(self, table: torch.Tensor, live: torch.Tensor, values: bool, dtype: torch.dtype = torch.float32
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Keys (and values) of each request's live slots in every layer: float32
-        ``[R, L * Hkv, max(live), hd]`` (layer-major), one batched read per layer; ``dtype``
-        float64 reads the keys into float64 where every layer is read in one copy
-        (:meth:`CPULayerStack.read_rows`), float32 elsewhere."""
+        """Keys (and values) of each request's live slots in every layer: ``[R, L * Hkv, max(live), hd]``
+        (layer-major), one batched read per layer. ``dtype`` (float32 or float64) is the result's
+        where every layer is read in one copy (:meth:`CPULayerStack.read_rows`); elsewhere float32."""
         caches = self.kv_caches()
         bs = caches[0][0].shape[2]
         n = int(live.max()) if live.numel() else 0

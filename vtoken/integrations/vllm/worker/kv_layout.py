@@ -388,7 +388,8 @@ class CPULayerStack:
     def read_rows(self, block_rows: torch.Tensor, n: int, which: int,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Keys (``which`` 0) or values (1) of slots ``0..n-1`` of each block-table row, every
-        layer at once (one gather of whole blocks, one converting copy): ``dtype`` (float32
+        layer at once (one gather of whole blocks; one converting copy of the whole blocks below
+        ``n``, one of the last block's first slots): ``dtype`` (float32
         or float64; either holds the cache's bf16/fp16 values exactly) ``[R, L * H, n, hd]``,
         layer-major, contiguous (the whole blocks' slots past ``n`` are not copied). Only where
         :attr:`views` is set.
