@@ -121,11 +121,11 @@ def test_policy_specs_set_score_every_and_slack_and_refuse_the_rest():
     assert [(n, vt) for n, vt, _ in arms] == [
         ("stock", None),
         ("naive-snapkv-sl128-se1000-worker", {"mode": "naive", "policy": "snapkv", "budget": 512,
-                                              "decide_on": "worker", "slack": 128, "score_every": 1000}),
+                                              "slack": 128, "score_every": 1000}),
         ("vtoken-snapkv-sl128-se1000-worker", {"policy": "snapkv", "budget": 512, "pacing": "fixed",
-                                               "decide_on": "worker", "slack": 128, "score_every": 1000}),
+                                               "slack": 128, "score_every": 1000}),
         ("vtoken-snapkv-sl128-se1000-worker-pressure", {"policy": "snapkv", "budget": 512, "pacing": "pressure",
-                                                        "decide_on": "worker", "slack": 128, "score_every": 1000}),
+                                                        "slack": 128, "score_every": 1000}),
         ("naive-h2o-se4", {"mode": "naive", "policy": "h2o", "budget": 512, "score_every": 4}),
         ("vtoken-h2o-se4", {"policy": "h2o", "budget": 512, "pacing": "fixed", "score_every": 4}),
         ("vtoken-h2o-se4-pressure", {"policy": "h2o", "budget": 512, "pacing": "pressure", "score_every": 4})]

@@ -27,6 +27,18 @@ __all__ = [
 ]
 
 
+def _deprecation(msg: str) -> None:
+    """Log a deprecation once per message (vLLM's logger family; the core never imports vllm)."""
+    import logging
+
+    if msg not in _DEPRECATIONS_SEEN:
+        _DEPRECATIONS_SEEN.add(msg)
+        logging.getLogger("vllm.vtoken").warning(msg)
+
+
+_DEPRECATIONS_SEEN: set[str] = set()
+
+
 class VTokenConfigError(ValueError):
     """A vToken option has a bad value. The message names the field, the value and what is allowed."""
 
@@ -138,22 +150,13 @@ class VTokenConfig(BaseModel):
         0.0, ge=0.0, lt=1.0, description="pressure pacing: free blocks to keep in reserve, as a fraction of the "
         "pool (the larger of the two watermarks applies)"
     )
-    decide_on: Literal["scheduler", "worker"] = Field(
-        "scheduler",
-        description="where eviction decisions run. scheduler: per request inside vLLM's scheduler (every feature). "
-        "worker: the scheduler computes from counts only how many tokens each request evicts, and the worker picks "
-        "which, batched in torch, with the policy state next to the KV cache; async scheduling then decides exactly "
-        "as sync; refused (by name) on the CUDA worker (docs/device-decisions.md); with vLLM prefix "
-        "caching a request copies its hit into its own blocks when it starts, or never evicts it where its policy "
-        "needs the hit's statistics (prefix_hits)",
-    )
     granularity: Optional[Literal["request", "layer", "head", "head_shared"]] = Field(
         None,
         description="token sets per request. request: one set shared by every layer and KV head; layer: one per "
         "layer; head: one per (layer, KV head); head_shared: one per KV head, shared across layers. Every set "
         "keeps the same number of live tokens, so block tables and slot mappings stay shared. null: the policy's "
-        "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv, expected_attention head; tova layer; random, streaming request) under "
-        "decide_on worker, request under decide_on scheduler; anything but request needs decide_on worker",
+        "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv, expected_attention head; tova layer; random, "
+        "streaming request)",
     )
     prefill_eviction: Optional[Literal["after", "chunks"]] = Field(
         None,
@@ -161,8 +164,8 @@ class VTokenConfig(BaseModel):
         "until then; chunks: between prefill chunks too (vLLM's chunked prefill, --max-num-batched-tokens sets the "
         "chunk), so a request never holds more than about budget + chunk tokens, and a prompt longer than the KV "
         "cache is served. Under pacing pressure a request evicts between chunks only when the pool is short, as in "
-        "decode. chunks needs decide_on worker. null: chunks under decide_on worker (measured: within 0.03 "
-        "nats/token of after), after under decide_on scheduler (docs/device-decisions.md, \"Eviction between prefill chunks\")",
+        "decode. null: chunks (measured: within 0.03 nats/token of after; docs/device-decisions.md, "
+        "\"Eviction between prefill chunks\")",
     )
     protect_cached_prefix: bool = Field(
         False,
@@ -175,12 +178,29 @@ class VTokenConfig(BaseModel):
     prefix_hits: Literal["protect", "skip"] = Field(
         "protect",
         description="with vLLM prefix caching on, for a request that may evict and whose policy needs statistics of "
-        "the prompt tokens a hit skips (h2o; under decide_on worker also snapkv, knorm and expected_attention): protect: it reads its hit and never evicts the hit's "
+        "the prompt tokens a hit skips (h2o, snapkv, knorm and expected_attention): protect: it reads its hit and never evicts the hit's "
         "tokens (its tokens can then differ from a run without the cache); skip: it does not read the prefix "
         "cache (vLLM's Request.skip_reading_prefix_cache): it computes its whole prompt, its tokens never depend "
         "on the cache, and its blocks are still cached for other requests. Other requests read their hits and "
         "evict inside them exactly either way. No effect with prefix caching off (docs/configuration.md, \"Prefix caching\")",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decide_on(cls, data: Any) -> Any:
+        # decide_on left the options (one eviction path: the scheduler counts, the worker decides).
+        # "worker" names that path: accepted with one deprecation line; "scheduler" is refused.
+        if isinstance(data, dict) and "decide_on" in data:
+            data = dict(data)
+            v = data.pop("decide_on")
+            if v != "worker":
+                raise ValueError(
+                    f"vtoken.decide_on = {v!r}: the scheduler-side eviction path was removed; vToken has one path "
+                    "(the scheduler counts how many tokens each request evicts, the worker picks which: "
+                    "docs/device-decisions.md); allowed: leave decide_on out (or 'worker', deprecated)")
+            _deprecation("vtoken.decide_on = 'worker' is deprecated and has no effect: it is the only eviction "
+                         "path now; remove the key")
+        return data
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
                      "watermark_blocks", "watermark_fraction", mode="before")
@@ -210,38 +230,11 @@ class VTokenConfig(BaseModel):
             raise ValueError(msg) from None
         from vtoken.policies.base import AttentionNeed
 
-        if get_policy_needs(self.policy) & (AttentionNeed.KEY_NORM | AttentionNeed.QUERY_MOMENTS):
-            if self.decide_on != "worker":
-                raise ValueError(
-                    f"vtoken.policy = {self.policy!r} records what each step's forward computes (keys, queries), on the worker: it needs "
-                    f"vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with decide_on scheduler: a policy "
-                    "that scores from attention or from positions (h2o, tova, scissorhands, streaming, random)")
-            if self.score_every != 1:
-                raise ValueError(
-                    f"vtoken.score_every = {self.score_every} with vtoken.policy = {self.policy!r}: the policy "
-                    "records each key's norm (knorm) or each query (expected_attention) in the step that computes "
-                    "it, so every step is scored; allowed: 1")
-        if get_policy_needs(self.policy) & AttentionNeed.WINDOW and self.decide_on != "worker":
+        if get_policy_needs(self.policy) & (AttentionNeed.KEY_NORM | AttentionNeed.QUERY_MOMENTS) and self.score_every != 1:
             raise ValueError(
-                f"vtoken.policy = {self.policy!r} scores from its observation window (the last queries of the prompt), "
-                f"which the worker computes: it needs vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with "
-                "decide_on scheduler: h2o, tova, scissorhands, streaming, random")
-        if _policy_class(self.policy).eviction_keys and self.decide_on != "worker":
-            raise ValueError(
-                f"vtoken.policy = {self.policy!r} scores the cached keys right before each eviction, on the worker: "
-                f"it needs vtoken.decide_on = 'worker', got {self.decide_on!r}; allowed with decide_on scheduler: a "
-                "policy that scores from attention or from positions (h2o, tova, scissorhands, streaming, random)")
-        if self.granularity not in (None, "request") and self.decide_on != "worker":
-            raise ValueError(
-                f"vtoken.granularity = {self.granularity!r} needs vtoken.decide_on = 'worker' (per-set token tables "
-                f"live in the worker's side cache), got vtoken.decide_on = {self.decide_on!r}; allowed with "
-                "decide_on scheduler: granularity 'request' (or leave it unset)"
-            )
-        if self.prefill_eviction == "chunks" and self.decide_on != "worker":  # (None resolves by decide_on)
-            raise ValueError(
-                f"vtoken.prefill_eviction = 'chunks' needs vtoken.decide_on = 'worker' (each chunk's statistics are "
-                f"folded on the worker in its own step), got decide_on = {self.decide_on!r}; allowed with decide_on "
-                "scheduler: prefill_eviction 'after'")
+                f"vtoken.score_every = {self.score_every} with vtoken.policy = {self.policy!r}: the policy "
+                "records each key's norm (knorm) or each query (expected_attention) in the step that computes "
+                "it, so every step is scored; allowed: 1")
         sinks, recent = self.protections()
         if self.budget_ratio is None and sinks + recent > self.budget:
             raise ValueError(
@@ -290,25 +283,20 @@ class VTokenConfig(BaseModel):
 
     def resolved_granularity(self) -> str:
         """The token-set granularity in effect: ``granularity`` when set; else the policy's
-        default (:meth:`~vtoken.policies.base.EvictionPolicy.default_granularity`) under
-        ``decide_on: worker`` and ``"request"`` under ``decide_on: scheduler`` (the scheduler
-        keeps one token table per request)."""
+        default (:meth:`~vtoken.policies.base.EvictionPolicy.default_granularity`)."""
         from vtoken.policies import get_policy_class
 
         if self.granularity is not None:
             return self.granularity
-        if self.decide_on != "worker":
-            return "request"
         return get_policy_class(self.policy).default_granularity()
 
     def resolved_prefill_eviction(self) -> str:
-        """The prefill eviction in effect: ``prefill_eviction`` when set; else ``"chunks"`` under
-        ``decide_on: worker`` (bounded prefill, ΔNLL within 0.03 nats/token of ``after``:
-        ``benchmarks/results/quality_prefill.json``) and ``"after"`` under ``decide_on: scheduler``
-        (which cannot evict between chunks)."""
+        """The prefill eviction in effect: ``prefill_eviction`` when set; else ``"chunks"``
+        (bounded prefill, ΔNLL within 0.03 nats/token of ``after``:
+        ``benchmarks/results/quality_prefill.json``)."""
         if self.prefill_eviction is not None:
             return self.prefill_eviction
-        return "chunks" if self.decide_on == "worker" else "after"
+        return "chunks"
 
     def resolved_slack(self) -> int:
         """Pacing slack in tokens after applying the policy default."""
@@ -326,7 +314,7 @@ class RequestOverrides(BaseModel):
     booleans into ints; false turns eviction off for this request),
     ``vtoken_budget`` (int tokens >= 1), ``vtoken_policy`` (a registered policy name),
     ``vtoken_granularity`` (``request``, ``layer``, ``head`` or ``head_shared``; anything but
-    ``request`` needs the engine's ``decide_on: worker``).
+    ``request``).
     Other ``extra_args`` keys are ignored (they may belong to someone else).
 
     Coercions (the same on both paths, so the engine's ``budget`` and a request's

@@ -18,7 +18,7 @@ def test_policy_args_are_each_policy_dataclass_fields():
     # each listed argument is accepted as policy_args, with that default
     for name, args in schema.items():
         for arg, default in args.items():
-            pol = VTokenConfig(policy=name, budget=256, decide_on="worker", policy_args={arg: int(default)}).make_policy()
+            pol = VTokenConfig(policy=name, budget=256, policy_args={arg: int(default)}).make_policy()
             assert getattr(pol, arg) == int(default)
             assert repr(getattr(get_policy_class(name)(), arg)) == default
     assert all(f.name in ("sink_tokens", "recent_tokens", "seed")

@@ -53,8 +53,7 @@ class _Ref:
 def _run(policy_name, seed, device, steps=12, num_req=5, budget=10, sets=1, window=3):
     rng = np.random.default_rng(seed)
     cfg = VTokenConfig(policy=policy_name, budget=budget, seed=seed % 7,
-                       **({"policy_args": {"window": window}} if policy_name == "scissorhands" else {}),
-                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv", "expected_attention") else {}))
+                       **({"policy_args": {"window": window}} if policy_name == "scissorhands" else {}),)
     pol = cfg.make_policy()
     sinks, recent = cfg.protections()
     max_blocks = max(16, 2 * budget // B + 8)
@@ -277,8 +276,7 @@ def test_side_bytes_per_token_is_what_the_side_cache_holds(policy_name, sets):
     and H2O's is an int64 position plus a float64 accumulator per set."""
     from vtoken.decider import side_bytes_per_token
 
-    pol = VTokenConfig(policy=policy_name, budget=8,
-                       **({"decide_on": "worker"} if policy_name in ("knorm", "keydiff", "snapkv", "expected_attention") else {})).make_policy()
+    pol = VTokenConfig(policy=policy_name, budget=8,).make_policy()
     made = SideCache(64, pol.side_specs(), num_sets=sets).bytes_per_token
     assert side_bytes_per_token(pol, sets) == made
     if policy_name == "h2o":
@@ -312,7 +310,7 @@ def test_observe_written_equals_observe_for_knorm(sets):
     decode token), and the rounding to 12 bits happens on both paths."""
     import copy
 
-    cfg = VTokenConfig(policy="knorm", budget=8, decide_on="worker")
+    cfg = VTokenConfig(policy="knorm", budget=8)
     g = torch.Generator().manual_seed(0)
     a = DeviceDecider(cfg.make_policy(), 64, B, max_requests=2, num_sets=sets)
     rows = torch.tensor([0, 1])

@@ -115,13 +115,13 @@ def test_one_known_query_gives_its_attention():
 
 
 def test_policy_keeps_the_highest_expected_attention_and_refuses_bad_args():
-    cfg = VTokenConfig(policy="expected_attention", budget=8, decide_on="worker")
+    cfg = VTokenConfig(policy="expected_attention", budget=8)
     pol = cfg.make_policy()
     assert isinstance(pol, ExpectedAttentionPolicy)
     assert pol.sink_tokens == 4 and pol.n_future == 512 and cfg.resolved_granularity() == "head"
     with pytest.raises(ValueError, match="n_future = 0"):
-        VTokenConfig(policy="expected_attention", budget=8, decide_on="worker", policy_args={"n_future": 0})
-    with pytest.raises(ValueError, match="decide_on = 'worker'"):
-        VTokenConfig(policy="expected_attention", budget=8)
+        VTokenConfig(policy="expected_attention", budget=8, policy_args={"n_future": 0})
+    with pytest.raises(ValueError, match="decide_on = 'scheduler': the scheduler-side eviction path was removed"):
+        VTokenConfig(policy="expected_attention", budget=8, decide_on="scheduler")
     with pytest.raises(ValueError, match="score_every = 2"):
-        VTokenConfig(policy="expected_attention", budget=8, decide_on="worker", score_every=2)
+        VTokenConfig(policy="expected_attention", budget=8, score_every=2)

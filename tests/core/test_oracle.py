@@ -241,6 +241,7 @@ def _check_bookkeeping(res: OracleResult, P: int, budget: int, slack: int, sinks
 
 
 def _cfg(policy: str, budget: int = BUDGET, slack: int = 0, **kw) -> VTokenConfig:
+    kw.setdefault("granularity", "request")  # one token set: what the masked full-cache reference models
     return VTokenConfig(policy=policy, budget=budget, slack=slack, sink_tokens=SINKS, recent_tokens=RECENT, **kw)
 
 
@@ -330,7 +331,7 @@ def test_smollm2_eviction_equals_masked_full_cache(smollm2):
     )
     prompt = tok(text)["input_ids"]
     assert len(prompt) > BUDGET
-    cfg = VTokenConfig(policy="h2o", budget=BUDGET, slack=0, sink_tokens=SINKS, recent_tokens=RECENT)
+    cfg = VTokenConfig(policy="h2o", budget=BUDGET, slack=0, sink_tokens=SINKS, recent_tokens=RECENT, granularity="request")
     res = oracle_generate(model, prompt, 24, cfg, return_logits=True)
     _check_bookkeeping(res, len(prompt), BUDGET, 0, SINKS, RECENT)
     ref = _masked_full_cache_logits(model, prompt, res)
@@ -481,9 +482,10 @@ def test_builtin_policy_bookkeeping_and_reference(model2, name, defaults):
     except ModuleNotFoundError as e:
         pytest.skip(f"policy {name!r} not implemented yet ({e})")
     if defaults:  # the policy's own sink / recent / slack defaults
-        cfg = VTokenConfig(policy=name, budget=BUDGET)
+        cfg = VTokenConfig(policy=name, budget=BUDGET, granularity="request")
     else:
-        cfg = VTokenConfig(policy=name, budget=BUDGET, slack=0, sink_tokens=SINKS, recent_tokens=RECENT)
+        cfg = VTokenConfig(policy=name, budget=BUDGET, slack=0, sink_tokens=SINKS, recent_tokens=RECENT,
+                           granularity="request")
     built = cfg.make_policy(BUDGET)
     slack = cfg.resolved_slack()
     prompt = _prompt(seed=11)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from masked_reference import masked_generate
+from vtoken.policies import get_policy_class
 from vtoken.config import parse_config
 from vtoken.oracle import attention_stats, attention_stats_sets, load_oracle_model, oracle_generate
 from vtoken.policies.base import AttentionNeed
@@ -59,7 +60,7 @@ def _prompt(seed: int = 0) -> list[int]:
 
 
 def _cfg(policy: str, budget: int, granularity: str, **kw):
-    return parse_config({"policy": policy, "budget": budget, "decide_on": "worker", "granularity": granularity, **kw})
+    return parse_config({"policy": policy, "budget": budget, "granularity": granularity, **kw})
 
 
 def _num_sets(granularity: str, L: int, Hkv: int) -> int:
@@ -243,17 +244,22 @@ def test_attention_stats_sets_literal_and_errors():
 # --------------------------------------------------------------------------- request unchanged, refusals
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_request_granularity_is_todays_oracle(gqa, policy):
+@pytest.mark.parametrize("policy", ["h2o", "tova", "scissorhands"])
+def test_default_granularity_is_the_policys(gqa, policy):
+    """Without ``granularity`` a config takes its policy's own token sets (``default_granularity``:
+    H2O and Scissorhands per (layer, KV head), TOVA per layer): the same tokens, logits and sets
+    as naming that granularity."""
     prompt = _prompt(seed=3)
-    new = oracle_generate(gqa, prompt, NEW, _cfg(policy, 24, "request"), return_logits=True)
+    default = get_policy_class(policy).default_granularity()
+    assert default == {"h2o": "head", "tova": "layer", "scissorhands": "head"}[policy]
+    new = oracle_generate(gqa, prompt, NEW, _cfg(policy, 24, default), return_logits=True)
     today = oracle_generate(gqa, prompt, NEW, parse_config({"policy": policy, "budget": 24}), return_logits=True)
     assert today.num_evicted > 0
     assert new.token_ids == today.token_ids
     assert all(torch.equal(a, b) for a, b in zip(new.logits, today.logits))
-    assert all(np.array_equal(a, b) for a, b in zip(new.evicted_positions, today.evicted_positions))
-    np.testing.assert_array_equal(new.live_positions, today.live_positions)
-    assert new.live_positions_sets is None and new.evicted_positions_sets is None
+    assert len(new.live_positions_sets) == len(today.live_positions_sets) > 1
+    for a, b in zip(new.live_positions_sets, today.live_positions_sets):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_request_granular_only_arguments(gqa):

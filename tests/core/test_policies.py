@@ -57,8 +57,6 @@ def check_victims(policy, view: TokenView, victims: np.ndarray, k: int) -> None:
 
 
 def policy_for(name: str, **kw):
-    if get_policy_class(name).needs & (AttentionNeed.KEY_NORM | AttentionNeed.WINDOW) or get_policy_class(name).eviction_keys:
-        kw.setdefault("decide_on", "worker")  # key-only policies run on the worker only
     cfg = VTokenConfig(policy=name, **kw)
     return cfg, cfg.make_policy()
 

@@ -1,4 +1,4 @@
-"""``decide_on: worker``'s per-request columns (``vtoken/integrations/vllm/sched/counts.py``).
+"""The scheduler's per-request columns (``vtoken/integrations/vllm/sched/counts.py``).
 
 A :class:`CountState` reads and writes as a plain ``RequestState`` with a ``CountTable``: the same
 fields after the same writes, the same ``evict_log`` after the same evictions (kept in runs,
@@ -18,20 +18,18 @@ from vtoken.integrations.vllm.sched.counts import COLUMN_FIELDS, CountColumns, C
 from vtoken.integrations.vllm.sched.state import RequestState
 from vtoken.protocol import CountTable
 from vtoken.repack import NaiveEvictCounter
-from vtoken.score_lag import ScoreLagQueue
 
 BS = 16
 
 
 def _args(budget: int = 64, slack: int = 0) -> dict:
-    cfg = VTokenConfig(policy="h2o", budget=budget, slack=slack, decide_on="worker")
+    cfg = VTokenConfig(policy="h2o", budget=budget, slack=slack)
     pol = cfg.make_policy(budget)
-    return dict(cfg=cfg, budget=budget, slack=slack, policy=pol, pstate=pol.init_state(),
-                naive=NaiveEvictCounter(BS), prompt_len=100, lag=ScoreLagQueue(0))
+    return dict(cfg=cfg, budget=budget, slack=slack, policy=pol, prompt_len=100)
 
 
 def _pair(cols: CountColumns, budget: int = 64, slack: int = 0) -> tuple[RequestState, CountState]:
-    return (RequestState(**_args(budget, slack), table=CountTable(BS)),
+    return (RequestState(**_args(budget, slack), table=CountTable(BS), naive=NaiveEvictCounter(BS)),
             CountState(**_args(budget, slack), cols=cols, block_size=BS))
 
 

@@ -46,11 +46,15 @@ def _worker(rank: int, init: str, out: str) -> None:
     core = VTokenWorkerCore({}, layout_for=None)
     core._tp = SimpleNamespace(world_size=2, rank_in_group=rank, cpu_group=dist.group.WORLD)
     core.test_dir = os.path.dirname(out)
+    folded = []  # what the worker's decisions fold: the reduced statistics
+    core.decisions = SimpleNamespace(fold=folded.append)
     core.step, core.score_reqs = _Step(rank), {"a": 1, "b": 2, "c": 3}
-    got = core.take_scores()
+    core.finish_step()
     # a step that asks for nothing: no collective (a second one would hang the other rank)
     core.step, core.score_reqs = None, {}
-    assert core.take_scores() is None
+    core.finish_step()
+    assert len(folded) == 1
+    got = folded[0]
     with open(f"{out}.{rank}", "w") as f:
         json.dump({rid: [None if a is None else a.tolist() for a in v] for rid, v in got.items()}, f)
     dist.destroy_process_group()

@@ -29,7 +29,7 @@ def test_rope_problem_reads_the_model_config():
 
 
 def test_a_request_is_refused_alone_on_a_model_without_rope():
-    frontend.set_engine_config(VTokenConfig(policy="keydiff", budget=64, decide_on="worker"))
+    frontend.set_engine_config(VTokenConfig(policy="keydiff", budget=64))
     try:
         frontend.check_request({"vtoken_policy": "expected_attention"})  # the model has RoPE: fine
         frontend.set_rope_problem("partial_rotary_factor = 0.5")

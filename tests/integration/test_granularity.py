@@ -28,7 +28,7 @@ pytestmark = pytest.mark.engine
 POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
 GRANULARITIES = ["layer", "head", "head_shared"]
 NEW = 40
-BASE = {"policy": "h2o", "budget": 40, "decide_on": "worker"}
+BASE = {"policy": "h2o", "budget": 40}
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
 
 

@@ -27,7 +27,7 @@ B = 32
 CHUNK = 72
 BUDGET = 64
 NEW = 24
-VT = {"policy": "h2o", "budget": BUDGET, "slack": 0, "decide_on": "worker", "prefill_eviction": "chunks"}
+VT = {"policy": "h2o", "budget": BUDGET, "slack": 0, "prefill_eviction": "chunks"}
 POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
 
 

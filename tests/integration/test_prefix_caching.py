@@ -240,7 +240,7 @@ def test_default_on_mrv2_async(tiny, default_run):
 # is kept: never written, never read for them). W's first eviction, inside the prefix, then
 # follows W's own statistics for those slots: its tokens equal the oracle's for W alone. (Before
 # the hit was read-only, the sharers' statistics were folded into W's state there.)
-WORKER_VT = dict(VT, budget=96, slack=120, decide_on="worker")
+WORKER_VT = dict(VT, budget=96, slack=120)
 WORKER_PHASES = [[_req("W", PREFIX + _suffix(20, 40))] + [
     dict(_req(f"S{i}", PREFIX + _suffix(21 + i, 60 + 10 * i), {"vtoken_budget": 100}), arrive_after=2)
     for i in range(4)]]
@@ -338,7 +338,7 @@ def test_worker_naive_mode_with_hit_copies(tiny):
 # The copies of a hit need free blocks in the step that starts the request. W caches the prefix
 # and finishes; Q0 and Q1 (TOVA, budget 64) start in one step, sharing the 4 hit blocks, with 4
 # blocks left free: Q0 copies its hit, Q1 cannot and keeps its hit (protected, as H2O does).
-ADMIT_VT = dict(VT, decide_on="worker")
+ADMIT_VT = dict(VT)
 ADMIT_PHASES = [[_req("W", PREFIX + _suffix(20, 8), {"vtoken_budget": 256}, max_tokens=2)],
                 [_req(f"Q{i}", PREFIX + _suffix(50 + i, 30), {"vtoken_policy": "tova", "vtoken_budget": 64},
                       max_tokens=8) for i in range(2)]]

@@ -230,7 +230,7 @@ def test_tp2_worker_decisions_every_rank_decides_the_same(tiny, tmp_path):
     bit, so both ranks made the same moves (the same token tables)."""
     # granularity request: one set per request, statistics all-reduced (the tiny model's one KV head is
     # replicated at TP=2, so per-head sets are refused here; test_granularity.py runs them on 2 KV heads)
-    out = _run(tiny, dict(BASE_VTOKEN, decide_on="worker", granularity="request"), "v1-sync", tmp_path / "hook",
+    out = _run(tiny, dict(BASE_VTOKEN, granularity="request"), "v1-sync", tmp_path / "hook",
                enable_prefix_caching=False)
     assert out["vtoken"]["stats"]["evicted_tokens"] > 0 and out["vtoken"]["stats"]["request_faults"] == 0
     assert not _mismatches(tiny, out, 0)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
 BUDGETS = [29, 45, 64]
 NEW = 64
-BASE = {"policy": "h2o", "budget": 45, "decide_on": "worker"}
+BASE = {"policy": "h2o", "budget": 45}
 
 
 def _prompt(i: int, n: int) -> list[int]:
@@ -174,7 +174,7 @@ def test_async_equals_sync_token_for_token(run):
 def test_pressure_pacing_replayed_in_the_oracle(tiny, oracle, path):
     """21 usable blocks for 28 blocks of demand: pressure pacing evicts instead of preempting; the
     tokens equal the oracle replaying the engine's (decode step, tokens) eviction log."""
-    cfg = {"policy": "h2o", "budget": 40, "pacing": "pressure", "decide_on": "worker"}
+    cfg = {"policy": "h2o", "budget": 40, "pacing": "pressure"}
     reqs = [dict(id=f"p{i}-{pol}", prompt_token_ids=_prompt(90 + i, 100), max_tokens=120,
                  extra_args={"vtoken_policy": pol}) for i, pol in enumerate(["h2o", "tova", "streaming", "random"])]
     out = run_in_subprocess(dict(engine=_engine(tiny, num_gpu_blocks_override=22, max_model_len=256), vtoken=cfg,

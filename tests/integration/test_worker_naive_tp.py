@@ -23,7 +23,7 @@ B = 32
 def _rank(low: slice, gran: str = "head") -> tuple[WorkerDecisions, str]:
     """One rank: a request of 64 prompt tokens (2 blocks), its statistics lowest on ``low``,
     then an eviction of 32 tokens (H2O evicts the lowest accumulated scores)."""
-    pol = VTokenConfig(policy="h2o", budget=32, sink_tokens=0, recent_tokens=0, decide_on="worker").make_policy()
+    pol = VTokenConfig(policy="h2o", budget=32, sink_tokens=0, recent_tokens=0).make_policy()
     dec = WorkerDecisions(num_blocks=8, block_size=B, device="cpu", num_layers=1, num_kv_heads=1)
     rid = "r"
     cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set())

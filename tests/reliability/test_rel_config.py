@@ -75,11 +75,11 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     "decide_on_bad": ({}, {"decide_on": "gpu"}, ["vtoken.decide_on", "'gpu'", "'scheduler' or 'worker'"]),
 }
 OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None),
-            "worker": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64}),
+            "worker": ({}, {"policy": "h2o", "budget": 64}),
             # Naive-Evict with worker decisions (refused until the worker returned its dead-block counts)
-            "worker_naive": ({}, {"decide_on": "worker", "mode": "naive", "policy": "h2o", "budget": 64}),
+            "worker_naive": ({}, {"mode": "naive", "policy": "h2o", "budget": 64}),
             # prefix caching with worker decisions (refused until a hit became read-only for its sharer)
-            "worker_prefix_caching": ({"enable_prefix_caching": True}, {"decide_on": "worker", "policy": "h2o",
+            "worker_prefix_caching": ({"enable_prefix_caching": True}, {"policy": "h2o",
                                                                         "budget": 64})}
 
 

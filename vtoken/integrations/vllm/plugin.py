@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 from vtoken.config import RequestOverrides, VTokenConfigError, parse_config
 from vtoken.integrations.vllm.frontend import requests as frontend
@@ -35,6 +36,9 @@ SCHEDULER_CLS = "vtoken.integrations.vllm.sched.scheduler.VTokenScheduler"
 ASYNC_SCHEDULER_CLS = "vtoken.integrations.vllm.sched.scheduler.VTokenAsyncScheduler"
 CPU_WORKER_CLS = platforms.CPU_WORKER_CLS
 CUDA_WORKER_CLS = platforms.CUDA_WORKER_CLS
+#: opt-in to a platform vToken's eviction path has not been validated on (CUDA, until
+#: ``make device-check`` passes on a GPU)
+UNVALIDATED_ENV = "VTOKEN_UNVALIDATED_PLATFORM"
 
 _registered = False
 
@@ -96,8 +100,7 @@ def _wrap_create_engine_config() -> None:
         worker_cls = platforms.check_platform(vcfg, current_platform)
         if vcfg.scheduler_config.scheduler_cls is not None:
             refusals.refuse("scheduler_cls", vcfg.scheduler_config.scheduler_cls)
-        if cfg.decide_on == "worker":
-            _check_worker_decisions(cfg, vcfg, worker_cls)
+        _check_worker_decisions(cfg, vcfg, worker_cls)
         is_async = bool(vcfg.scheduler_config.async_scheduling)
         vcfg.scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = worker_cls
@@ -109,13 +112,13 @@ def _wrap_create_engine_config() -> None:
         setup_prometheus_bridge()
         logger.info(
             "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s "
-            "model_runner=%s scheduling=%s decide_on=%s granularity=%s prefill_eviction=%s",
+            "model_runner=%s scheduling=%s granularity=%s prefill_eviction=%s",
             cfg.mode, cfg.policy, cfg.budget,
             f" (ratio {cfg.budget_ratio})" if cfg.budget_ratio else "",
             cfg.resolved_slack(), cfg.protections(), vcfg.cache_config.block_size,
-            "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync", cfg.decide_on,
+            "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync",
             cfg.resolved_granularity() + ("" if cfg.granularity else " (the policy's default)"),
-            cfg.resolved_prefill_eviction() + ("" if cfg.prefill_eviction else " (decide_on's default)"),
+            cfg.resolved_prefill_eviction() + ("" if cfg.prefill_eviction else " (the default)"),
         )
         return vcfg
 
@@ -124,9 +127,13 @@ def _wrap_create_engine_config() -> None:
 
 
 def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
-    """``decide_on: worker`` is refused, by name, with what it does not cover yet (refusals.py)."""
+    """What the worker's decisions do not cover yet is refused, by name (refusals.py). CUDA has
+    not been validated on a GPU yet: it starts only with ``VTOKEN_UNVALIDATED_PLATFORM=1``."""
     if worker_cls == platforms.CUDA_WORKER_CLS:
-        refusals.refuse("worker_cuda", "worker")
+        if os.environ.get(UNVALIDATED_ENV, "0") in ("", "0"):
+            refusals.refuse("cuda_unvalidated", "CUDA", f"{UNVALIDATED_ENV} is not set")
+        logger.warning("vToken: running on CUDA, which has not been validated on a GPU (%s=1); run "
+                       "`make device-check` on this machine first", UNVALIDATED_ENV)
     tp = vcfg.parallel_config.tensor_parallel_size
     replicated = vcfg.model_config.get_total_num_kv_heads() < tp
     frontend.set_per_head_allowed(not replicated)

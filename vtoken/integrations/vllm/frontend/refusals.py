@@ -93,8 +93,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("scheduler_cls", "--scheduler-cls", "start-up",
             "vToken installs its own scheduler (a subclass of vLLM's Scheduler, or AsyncScheduler under "
             "async scheduling)"),
-    Refusal("worker_cuda", "vtoken.decide_on = worker on the CUDA worker", "start-up",
-            "the worker-side decisions have not run on a GPU yet; allowed on CUDA: decide_on scheduler (the default)"),
+    Refusal("cuda_unvalidated", "platform = CUDA without VTOKEN_UNVALIDATED_PLATFORM=1", "start-up",
+            "vToken's eviction path (selection, moves and scoring on the worker) has not been validated on a "
+            "GPU yet; run `make device-check` on the GPU machine, then start with VTOKEN_UNVALIDATED_PLATFORM=1 "
+            "to opt in"),
     Refusal("per_head_replicated_kv", "vtoken.granularity = head or head_shared with --tensor-parallel-size above the "
             "model's KV heads", "start-up",
             "each rank then holds a copy of a KV head but scores it from its own query heads only, so the copies "

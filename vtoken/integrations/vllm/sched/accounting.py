@@ -123,8 +123,7 @@ class BlockAccounting:
         (``upcoming=1``), so a budget that is a multiple of the block size does not free a
         block and allocate it back every step.
         """
-        # a resuming request holds blocks only for the live tokens re-prefilled so far
-        dense = cdiv(st.table.num_live - st.refill + upcoming, self.block_size)
+        dense = cdiv(st.table.num_live + upcoming, self.block_size)
         if st.cfg.mode == "naive":
             return max(dense, st.naive.num_retained_blocks)
         return dense

@@ -5,13 +5,11 @@ that every held block's ``ref_cnt`` equals the number of requests holding it (1,
 sharers of a prefix-cache block, which the pool counts once), that free + distinct held
 blocks == the pool, that each scheduled request holds exactly the blocks the accounting
 says, and, with prefix caching, that a request that has evicted holds only private, unhashed
-blocks past its never-evicted prefix, keeps its protected prefix at its own slots, and that every
-block a repack move or a copy of a cached block writes is held by the request that planned it
-alone, unhashed (a move of a request
-preempted in the same ``schedule()`` is dropped from the payload). It also checks the figures the
-hot paths keep on the side: the KV manager's delta per request (``BlockAccounting.deltas``) and,
-under ``decide_on: worker``, each request row's blocks held and derived columns
-(``sched/counts.py``). ``VTOKEN_TRACE=<path>``: one JSON line per step
+blocks past its never-evicted prefix, and that every block a copy of a cached block writes is
+held by the request that planned it alone, unhashed (the worker checks its own moves:
+``WorkerDecisions``, ``VTOKEN_CHECK``). It also checks the figures the hot paths keep on the side:
+the KV manager's delta per request (``BlockAccounting.deltas``) and each request row's blocks held
+and derived columns (``sched/counts.py``). ``VTOKEN_TRACE=<path>``: one JSON line per step
 (:func:`trace_record`).
 """
 
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import numpy as np
 
 from vtoken.integrations.vllm.sched.accounting import BlockAccounting
 from vtoken.integrations.vllm.sched.counts import (ASK_EVERY, CAP_OVER, HELD, NAIVE_BLOCKS, THRESHOLD, CountState,
@@ -30,8 +27,7 @@ __all__ = ["check_invariants", "trace_record"]
 
 
 def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapping[str, RequestState],
-                     accounting: BlockAccounting, scheduled: Mapping[str, int], moves=None,
-                     move_owners: Mapping[int, tuple] = {}) -> None:
+                     accounting: BlockAccounting, scheduled: Mapping[str, int], moves=None) -> None:
     """Check block accounting, ownership and sharing (O(total blocks + moves)).
 
     Args:
@@ -41,7 +37,6 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
         accounting: the scheduler's :class:`BlockAccounting`.
         scheduled: this step's ``num_scheduled_tokens``.
         moves: this step's :class:`~vtoken.integrations.vllm.payload.StepPayload` (or None).
-        move_owners: block id -> (request, block index, protected, clean_len) of the moves (messages).
 
     Raises:
         AssertionError: naming the request or block and the broken invariant.
@@ -74,11 +69,10 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
         assert d == accounting.expected_delta_entry(st), (
             f"{rid}: the KV manager's delta entry is {d}, expected {accounting.expected_delta_entry(st)} "
             f"(mode={st.cfg.mode}, live={st.table.num_live}, logical={st.table.num_logical})")
-        if isinstance(st, CountState):  # decide_on: worker: the row's derived columns
+        if isinstance(st, CountState):  # the row's derived columns
             row = st._cols.data[:, st.row]
             held = len(req_to_blocks.get(rid, ()))
             assert row[HELD] == held, f"{rid}: its row says it holds {row[HELD]} blocks, it holds {held}"
-            assert not st.resuming, f"{rid}: resuming under decide_on: worker (its state should have been dropped)"
             assert row[NAIVE_BLOCKS] == st.naive.num_retained_blocks, (
                 f"{rid}: its row's Naive-Evict blocks {row[NAIVE_BLOCKS]} != {st.naive.num_retained_blocks}")
             want = derived(row)
@@ -87,9 +81,6 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
                 f"expected {want}")
         P = st.protected
         assert P % bs == 0 and P <= st.table.num_live, f"{rid}: protected prefix {P} (live {st.table.num_live})"
-        if P and hasattr(st.table, "logical_pos"):  # decide_on: worker: the table is counts only
-            lp = st.table.logical_pos
-            assert (lp[:P] == np.arange(P)).all(), f"{rid}: a slot of the protected prefix [0, {P}) was written"
         cap = accounting.cache_cap.get(rid)
         if cap is not None:  # it has evicted: every block from its first evictable position on is its own
             for i, b in enumerate(req_to_blocks.get(rid, ())[cap // bs:], start=cap // bs):
@@ -111,18 +102,6 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
             assert i < len(blocks) and blocks[i].block_id == new and holders.get(new) == [rid] and b.block_hash is None, (
                 f"{rid}: the copy of cached block {old} goes to block {new} (index {i}), which is not its own "
                 f"unhashed block (held by {holders.get(new)}, hash {b.block_hash})")
-    if moves is not None and len(getattr(moves, "dst", ())):
-        for bid in np.unique(np.asarray(moves.dst) // bs).tolist():
-            owner = move_owners.get(bid)
-            b = by_id.get(bid) or block_pool.blocks[bid]
-            what = ("free (back in the pool)" if b.ref_cnt == 0 else f"shared (ref_cnt {b.ref_cnt})" if b.ref_cnt > 1
-                    else f"hashed (covers {b.block_hash_num_tokens} tokens)" if b.block_hash is not None
-                    else f"held by {holders.get(bid)}")
-            assert (b.ref_cnt == 1 and b.block_hash is None and owner is not None
-                    and holders.get(bid) == [owner[0]]), (
-                f"a repack move writes block {bid}, which is {what}; planned by (request, block index, protected, "
-                f"clean_len) {owner}, request still tracked: {owner is not None and owner[0] in states}"
-            )
 
 
 def trace_record(step: int, free_blocks: int, num_moves: int, scheduled: Mapping[str, int],

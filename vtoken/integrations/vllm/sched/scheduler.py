@@ -1,38 +1,29 @@
-"""The vToken scheduler: runs the eviction policies, keeps the token tables, frees tail blocks.
+"""The vToken scheduler: counts how many tokens each request evicts and frees tail blocks.
 
 :class:`VTokenSchedulerMixin` holds the logic; vLLM's choice of scheduling picks the class:
 :class:`VTokenScheduler` (``Scheduler``, sync scheduling) or :class:`VTokenAsyncScheduler`
 (``AsyncScheduler``, async scheduling with a batch queue of 2); patches/ entries
 ``vllm.v1.core.sched.scheduler.Scheduler`` and ``vllm.v1.core.sched.async_scheduler.AsyncScheduler``.
 
-Per step, before the stock ``schedule()``, for each running request past its prefill:
-
-1. fold in the attention statistics that are due (:mod:`vtoken.score_lag`: lag 0 under sync
-   scheduling, 1 under async, where step N+1 is planned before step N's outputs return);
-2. if its live count exceeds ``budget + slack``: ask its policy for victims, evict them from
-   the token table (which plans the repack moves), move the policy state with the tokens,
-   and free the request's tail blocks to vLLM's block pool (Naive-Evict mode keeps exactly
-   the blocks the baseline would).
+One eviction path (``docs/device-decisions.md``): the scheduler decides **how many**, the worker
+decides **which**. Per step, before the stock ``schedule()``, for each running request past its
+prefill (or, with ``prefill_eviction: chunks``, between two chunks of its prompt): ``k`` from
+fixed pacing (``live > budget + slack``: down to the budget) or the pressure plan, capped at the
+tokens no protection covers (:func:`vtoken.protocol.evictable`); the request's tail blocks past
+``cdiv(live - k + 1, B)`` go back to vLLM's block pool (Naive-Evict mode keeps the blocks the
+worker reports still hold a live token). The per-request integers are rows of one numpy array
+(``sched/counts.py``); nothing here touches a token, a score or a policy's state.
 
 Then the stock ``schedule()`` runs; allocation counts live tokens
-(:class:`~vtoken.integrations.vllm.sched.accounting.VTokenFullAttentionManager`). The tokens
-scheduled in this step are appended to the token tables, scored steps are recorded with
-their slot -> logical-position map, and a :class:`~vtoken.integrations.vllm.payload.StepPayload`
-rides on the ``SchedulerOutput`` to the workers. Whether a request is past its prefill,
-and so when eviction starts, is decided here from scheduler state, never from when outputs
-arrive: async and sync scheduling make the same decisions for score-free policies.
+(:class:`~vtoken.integrations.vllm.sched.accounting.VTokenFullAttentionManager`). The step's
+tokens are counted, scored steps are asked for, and a
+:class:`~vtoken.integrations.vllm.payload.StepPayload` rides on the ``SchedulerOutput`` to the
+workers, which select, move and fold statistics on the device. Whether a request is past its
+prefill, and so when eviction starts, is decided here from scheduler state, never from when
+outputs arrive, so async and sync scheduling make the same decisions.
 
-``update_from_output`` stores the statistics the workers send back, against the step they
-came from. Preemption and finish both go through ``_free_request_blocks``. A preempted
-request that is decoding under ``mode: vtoken`` keeps its state (token table, policy state;
-:meth:`RequestState.prepare_resume`) and resumes by re-prefilling only its live tokens:
-``_preempt_request`` sets its ``num_computed_tokens`` to its offset (the evicted tokens count
-as done), so vLLM schedules ``live + 1`` tokens and the KV manager allocates
-``ceil((live + 1)/B)`` blocks; the payload's ``refill`` tells the workers the live tokens'
-ids and logical positions. Otherwise (``naive``, or a preemption during the first prefill)
-the state is dropped and the request starts again from its prompt.
-
-A fault confined to one request (a policy error, statistics of the wrong length) turns
+A preempted request's state is dropped, here and on the worker: it restarts from its prompt.
+A fault confined to one request (a bad override, a failure while freeing its blocks) turns
 eviction off for that request only, logs an error naming it and counts it in
 ``vtoken:request_faults_total``; every other request continues untouched.
 """
@@ -53,7 +44,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from vtoken.config import VTokenConfig, VTokenConfigError, effective_budget, num_to_evict, parse_config, parse_request_overrides
+from vtoken.config import VTokenConfig, VTokenConfigError, effective_budget, parse_config, parse_request_overrides
 from vtoken.integrations.vllm.sched.accounting import BlockAccounting, VTokenFullAttentionManager
 from vtoken.integrations.vllm.sched.admission import request_bound
 from vtoken.integrations.vllm.sched.checks import check_invariants, trace_record
@@ -62,22 +53,16 @@ from vtoken.integrations.vllm.sched.counts import CountColumns, CountState
 from vtoken.integrations.vllm.sched.metrics import VTokenMetrics
 from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.sched.state import RequestState, VTokenStats, cdiv
-from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
-from vtoken.repack import NaiveEvictCounter
+from vtoken.policies.base import EvictionPolicy
 from vtoken.policies import get_policy_class
 from vtoken.pacing import Candidate, plan_pressure_evictions
 from vtoken.protocol import evictable
-from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_stats
-from vtoken.token_table import TokenTable
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
 __all__ = ["VTokenScheduler", "VTokenAsyncScheduler", "VTokenSchedulerMixin", "VTokenFullAttentionManager",
            "RequestState", "VTokenStats"]
 
-#: request-steps between a scored step and the first eviction decision that uses its statistics
-SCORE_LAG_SYNC = 0
-SCORE_LAG_ASYNC = 1  # vLLM's batch queue of 2: when step M is scheduled, steps <= M-2 are processed
 
 
 def _as_slice(rows: np.ndarray) -> Optional[slice]:
@@ -110,29 +95,25 @@ class VTokenSchedulerMixin:
         self._vt_bs: int = mgr.block_size
         #: vLLM prefix caching on (the user's choice; vToken keeps it): see _vt_prefix_rule
         self._vt_caching: bool = bool(self.kv_cache_manager.enable_caching)
-        #: decide_on: worker: this scheduler computes only how many tokens each request evicts
-        #: (counts, CountTable); the worker picks which (docs/device-decisions.md)
-        self._vt_worker: bool = self.vt_cfg.decide_on == "worker"
-        #: prefill_eviction: chunks (decide_on: worker): requests evict between prefill chunks too
+        #: prefill_eviction: chunks: requests evict between prefill chunks too
         self._vt_chunks: bool = self.vt_cfg.resolved_prefill_eviction() == "chunks"
         self._vt_is_async: bool = isinstance(self, AsyncScheduler)
         self._vt_gauges_at = float("-inf")
-        #: requests the stock schedule() preempted in this step (decide_on: worker drops their evictions)
+        #: requests the stock schedule() preempted in this step (their evictions are dropped)
         self._vt_preempted_now: set[str] = set()
         #: prefix caching: tail blocks vToken returned to the pool in this schedule() (this step's
         #: moves may still read them, so a copy of a cached block never goes to one)
         self._vt_released_now: list = []
-        self._vt_lag = SCORE_LAG_ASYNC if isinstance(self, AsyncScheduler) and not self._vt_worker else SCORE_LAG_SYNC
         self._vt_req_cfg: dict[str, Optional[VTokenConfig]] = {}
         self._vt_offset_updates: dict[str, int] = {}
-        #: decide_on: worker: states made in this schedule() (announced to the worker on the payload)
+        #: states made in this schedule() (announced to the worker on the payload)
         self._vt_new_states: dict[str, RequestState] = {}
-        #: decide_on: worker, mode naive: requests whose Naive-Evict count the worker lowered
+        #: mode naive: requests whose Naive-Evict count the worker lowered
         #: since the last schedule() (their released tail blocks go back to the pool in the next)
         self._vt_naive_pending: set[str] = set()
-        #: decide_on: worker: hit copies made in this step (_vt_copy_hit), rid -> unshare entries
+        #: hit copies made in this step (_vt_copy_hit), rid -> unshare entries
         self._vt_hit_copies: dict[str, list[tuple[int, int, int]]] = {}
-        #: decide_on: worker: the states' per-request integers (sched/counts.py) and each state's row
+        #: the states' per-request integers (sched/counts.py) and each state's row
         self._vt_cols = CountColumns()
         self._vt_rows: dict[str, int] = {}
         #: bumped whenever _vt_rows changes (the per-step row look-ups are cached against it)
@@ -149,8 +130,6 @@ class VTokenSchedulerMixin:
         self._vt_trace = open(trace, "a", buffering=1) if trace else None
         self._vt_step_no = 0
         self._vt_freed_this_step: list[int] = []
-        #: VTOKEN_CHECK: block id -> (request, block index, protected, clean_len) of this step's moves
-        self._vt_move_owners: dict[int, tuple] = {}
         #: finished requests' lifetime figures (bounded; read by the harness and benchmarks)
         self.vt_finished: list[dict[str, Any]] = []
 
@@ -234,15 +213,11 @@ class VTokenSchedulerMixin:
         prompt_len = request.num_prompt_tokens
         budget = effective_budget(cfg, prompt_len)
         pol = self._vt_policy(cfg, budget)
-        args = dict(cfg=cfg, budget=budget, slack=cfg.resolved_slack(), policy=pol, pstate=pol.init_state(),
-                    naive=NaiveEvictCounter(self._vt_bs), prompt_len=prompt_len, lag=ScoreLagQueue(self._vt_lag),
-                    first_evict=first_evicting_decode_step(pol.needs, self._vt_lag))
-        if self._vt_worker:  # the counts and per-step fields in a row of self._vt_cols
-            st = CountState(**args, cols=self._vt_cols, block_size=self._vt_bs)
-        else:
-            st = RequestState(**args, table=TokenTable(self._vt_bs))
+        # the counts and per-step fields in a row of self._vt_cols
+        st = CountState(cfg=cfg, budget=budget, slack=cfg.resolved_slack(), policy=pol, prompt_len=prompt_len,
+                        cols=self._vt_cols, block_size=self._vt_bs)
         st.may_evict = self._vt_may_evict(cfg, request)
-        st.chunk_evict = cfg.resolved_prefill_eviction() == "chunks"  # (decide_on: worker: VTokenConfig)
+        st.chunk_evict = cfg.resolved_prefill_eviction() == "chunks"
         st.score_need = pol.needs.value
         st.score_every = cfg.score_every
         st.recent = pol.recent_tokens
@@ -252,8 +227,7 @@ class VTokenSchedulerMixin:
         # cached blocks it may write (_vt_ready_to_evict). A policy whose state needs the
         # statistics of the hit's tokens (EvictionPolicy.keeps_hit: H2O's column sums, SnapKV's
         # window when the rest of the prompt is shorter) never got them, so the hit is kept
-        # (protected): its blocks stay shared, never copied. Under
-        # decide_on: worker the side cache is indexed by KV slot, so a shared block's policy state
+        # (protected): its blocks stay shared, never copied. The side cache is indexed by KV slot, so a shared block's policy state
         # belongs to the request that computed it (worker/decisions.py, "Prefix caching"); any
         # other policy's hit is copied into private blocks now (_vt_copy_hit), and kept as under
         # prompt_statistics only when the free blocks cannot cover the copies.
@@ -261,13 +235,11 @@ class VTokenSchedulerMixin:
         if hit:
             st.cached_tokens = hit
             st.table.append(hit)
-            st.naive.append(hit)
-            st.pstate.reset_slots(0, hit)
         if self._vt_caching and st.may_evict:
             bs = self._vt_bs
             own = self._vt_prompt_protected(cfg, request)
             keep_hit = pol.keeps_hit(prompt_len, hit) if hit else False
-            if self._vt_worker and not keep_hit and hit > own:
+            if not keep_hit and hit > own:
                 keep_hit = not self._vt_copy_hit(rid, own // bs, hit // bs)
                 if not keep_hit:
                     st.shared_tokens = own // bs * bs
@@ -275,12 +247,11 @@ class VTokenSchedulerMixin:
         st.floor = max(pol.sink_tokens, st.protected)
         self._vt_states[rid] = st
         self._vt_accounting.track(rid, st)
-        if self._vt_worker:
-            self._vt_cols.data[C.NAIVE_BLOCKS, st.row] = st.naive.num_retained_blocks  # (for the gauges)
-            st.born_step = self._vt_step_no  # (the worker's reports of earlier steps are not its own)
-            self._vt_rows[rid] = st.row
-            self._vt_rows_version += 1
-            self._vt_new_states[rid] = st
+        self._vt_cols.data[C.NAIVE_BLOCKS, st.row] = st.naive.num_retained_blocks  # (for the gauges)
+        st.born_step = self._vt_step_no  # (the worker's reports of earlier steps are not its own)
+        self._vt_rows[rid] = st.row
+        self._vt_rows_version += 1
+        self._vt_new_states[rid] = st
         return st
 
     def _vt_pressure_plan(self, eligible: list[tuple[int, Any, RequestState]]) -> dict[str, int]:
@@ -302,7 +273,7 @@ class VTokenSchedulerMixin:
             st = self._vt_states.get(rid)
             placeholders = getattr(req, "num_output_placeholders", 0)
             new = max(0, min(req.num_tokens + placeholders - req.num_computed_tokens, cap))
-            live = st.table.num_live - st.refill if st is not None else req.num_computed_tokens
+            live = st.table.num_live if st is not None else req.num_computed_tokens
             demand += max(0, cdiv(live + new, bs) - held)
         if len(self.running) < sc.max_num_seqs:
             head = next(iter(self.waiting), None)
@@ -343,91 +314,19 @@ class VTokenSchedulerMixin:
                      "tokens it has)", rid, type(exc).__name__, exc)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, *args, **kwargs):
-        if self._vt_worker:
-            return self._vt_schedule_counts(*args, **kwargs)
-        payload = StepPayload()
-        self._vt_released_now = []
-        self._vt_preempted_now.clear()
-        # this step's moves per planning request, kept apart until the stock schedule() ran
-        srcs: list[np.ndarray] = []
-        dsts: list[np.ndarray] = []
-        move_by: list[tuple[str, RequestState, int]] = []
-        t0 = time.perf_counter()
-        eligible: list[tuple[int, Any, RequestState]] = []
-        for order, req in enumerate(self.running):
-            st = self._vt_states.get(req.request_id)  # made when the request was first scheduled
-            if st is None or not st.decoding or st.faulted or not st.may_evict:
-                continue
-            rid = req.request_id
-            if self._vt_done_in_flight(req):
-                continue  # async: its last token is in flight; it will not be scheduled again
-            try:
-                self._vt_fold_scores(st, st.steps)
-            except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
-                self._vt_fault(rid, st, e)
-                continue
-            if st.decode_steps + 1 >= st.first_evict:
-                eligible.append((order, req, st))
-        if self.vt_cfg.pacing == "pressure":
-            plan = self._vt_pressure_plan(eligible)
-        else:
-            plan = {req.request_id: num_to_evict(st.table.num_live, st.budget, st.slack) for _, req, st in eligible}
-        for _, req, st in eligible:
-            k = plan.get(req.request_id, 0)
-            if k <= 0:
-                continue
-            try:
-                st.evict_log.append((st.decode_steps + 1, k))
-                if self._vt_evict(req.request_id, st, k, payload, srcs, dsts, move_by) is False:
-                    st.evict_log.pop()  # deferred (prefix caching: no free blocks for its copies)
-            except Exception as e:  # noqa: BLE001 - confined to this request (module docstring)
-                self._vt_fault(req.request_id, st, e)
-        self.vt_stats.repack_seconds += time.perf_counter() - t0
-
-        out = super().schedule(*args, **kwargs)
-
-        self._vt_collect_moves(payload, srcs, dsts, move_by)
-
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
-            st = self._vt_state(req, n) if req is not None and n > 0 else None
-            if st is None:
-                continue
-            self._vt_after_scheduled(req, st, n, payload)
-        self._vt_finish_payload(payload)
-        out.vtoken = None if payload.is_empty() else payload
-        self._vt_update_gauges()
-        self._vt_metrics.update(self.vt_stats)
-        self._vt_step_no += 1
-        if self._vt_check:
-            self.vt_check_invariants(out)
-            if self._vt_freed_this_step:
-                freed = set(self._vt_freed_this_step)
-                self.vt_stats.freed_blocks_reused_same_step += sum(
-                    b.block_id in freed for blocks in self._vt_mgr.req_to_blocks.values() for b in blocks)
-        self._vt_freed_this_step = []
-        self._vt_move_owners = {}
-        if self._vt_trace is not None:
-            rec = trace_record(self._vt_step_no - 1, self.kv_cache_manager.block_pool.get_num_free_blocks(),
-                               payload.num_moves, out.num_scheduled_tokens, self._vt_mgr.req_to_blocks,
-                               self._vt_states, self._vt_accounting)
-            self._vt_trace.write(json.dumps(rec) + "\n")
-        return out
-
-    #: decide_on: worker: gauges and metrics are refreshed at most this often (seconds), and
+    #: gauges and metrics are refreshed at most this often (seconds), and
     #: whenever the scheduler goes idle; Prometheus scrapes far less often
     GAUGE_INTERVAL_S = 0.05
 
-    def _vt_schedule_counts(self, *args, **kwargs):
-        """``schedule()`` under ``decide_on: worker``: integers only, a few per request.
+    def schedule(self, *args, **kwargs):
+        """Integers only, a few per request (module docstring).
 
         Per running request past its prefill (or, with ``prefill_eviction: chunks``, between two
         chunks of its prompt): ``k`` from fixed pacing (or the pressure plan), the
         count-only eviction (:meth:`_vt_evict_count`); then the stock ``schedule()``; then per
         scheduled request the count of its new tokens, whether it scores, and its lifetime block
-        figures (``_vt_after_scheduled`` in counts: no refill, since a preempted request
-        restarts; Naive-Evict's figures from the worker's reports, ``CountNaive``). Nothing here
+        figures (a preempted request restarts; Naive-Evict's figures from the worker's reports,
+        ``CountNaive``). Nothing here
         touches a token.
 
         The per-request integers live in one numpy array, a row per request
@@ -484,6 +383,10 @@ class VTokenSchedulerMixin:
         self._vt_step_no += 1
         if self._vt_check:
             self.vt_check_invariants(out)
+            if self._vt_freed_this_step:  # (shows the tests exercise the block-reuse ordering)
+                freed = set(self._vt_freed_this_step)
+                self.vt_stats.freed_blocks_reused_same_step += sum(
+                    b.block_id in freed for blocks in self._vt_mgr.req_to_blocks.values() for b in blocks)
         self._vt_freed_this_step = []
         if self._vt_trace is not None:
             rec = trace_record(self._vt_step_no - 1, self.kv_cache_manager.block_pool.get_num_free_blocks(), 0,
@@ -492,7 +395,7 @@ class VTokenSchedulerMixin:
         return out
 
     def _vt_free_naive_pending(self, payload: StepPayload) -> None:
-        """``mode: naive`` under ``decide_on: worker``: the blocks Naive-Evict no longer keeps
+        """``mode: naive``: the blocks Naive-Evict no longer keeps
         by the worker's latest counts go back to the pool (``_vt_free_tail``), in the running
         order."""
         pending, self._vt_naive_pending = self._vt_naive_pending, set()
@@ -522,8 +425,7 @@ class VTokenSchedulerMixin:
         return rows, sl
 
     def _vt_after_scheduled_counts(self, scheduled: dict[str, int], payload: StepPayload) -> None:
-        """``decide_on: worker``, after the stock ``schedule()``: ``_vt_after_scheduled`` in counts
-        for every scheduled request at once (numpy over the rows of ``self._vt_cols``): make the
+        """After the stock ``schedule()``, for every scheduled request at once (numpy over the rows of ``self._vt_cols``): make the
         states of requests scheduled for the first time (in the scheduled order), append the
         step's tokens, count decode steps, ask for this step's statistics (``payload.scores``, in
         the scheduled order), detect the end of the prefill (Python, per prefilling request), and
@@ -608,7 +510,7 @@ class VTokenSchedulerMixin:
             data[:, rows] = m
 
     def _vt_evict_fixed_counts(self, payload: StepPayload, is_async: bool) -> None:
-        """``decide_on: worker``, fixed pacing: every running request past its prefill whose live
+        """Fixed pacing: every running request past its prefill whose live
         count exceeds ``budget + slack`` evicts ``live - budget`` tokens, capped as
         :meth:`_vt_evict_count` caps them.
 
@@ -734,31 +636,6 @@ class VTokenSchedulerMixin:
         if self._vt_chunks:  # prefill_eviction: chunks: the rows that evicted before a prefill chunk
             stats.prefill_evictions += int(np.count_nonzero((m[C.FLAGS] & C.DECODING) == 0))
 
-    def _vt_collect_moves(self, payload: StepPayload, srcs: list[np.ndarray], dsts: list[np.ndarray],
-                          move_by: list[tuple[str, RequestState, int]]) -> None:
-        """Put this step's moves on the payload, except those of a request that the stock
-        ``schedule()`` preempted after they were planned: its blocks went back to the pool, so a
-        move would write a block it no longer holds (a block that another request may be given
-        in this very step); its copies of cached blocks are dropped likewise. Its tokens are
-        re-prefilled anyway: all of them when its state was dropped, its live ones when it
-        was kept (:meth:`RequestState.prepare_resume` gives it a new ``generation``)."""
-        for rid in self._vt_preempted_now:  # its copies: the new blocks went back to the pool with it
-            payload.unshare.pop(rid, None)
-        keep_src: list[np.ndarray] = []
-        keep_dst: list[np.ndarray] = []
-        for (rid, st, gen), src, dst in zip(move_by, srcs, dsts):
-            # preempted in this schedule(): its state dropped, or kept with a new generation
-            if self._vt_states.get(rid) is not st or st.generation != gen:
-                self.vt_stats.moves_dropped_preempted += len(dst)
-                for bid in np.unique(dst // self._vt_bs).tolist():
-                    self._vt_move_owners.pop(int(bid), None)
-                continue
-            keep_src.append(src)
-            keep_dst.append(dst)
-        if keep_src:
-            payload.src = np.concatenate(keep_src)
-            payload.dst = np.concatenate(keep_dst)
-
     def _vt_free_tail(self, rid: str, st: RequestState, payload: StepPayload) -> int:
         """After an eviction: the KV manager frees the request's blocks past what it must keep
         (``cdiv(live + 1, B)``, or Naive-Evict's count); the payload tells the workers. Returns
@@ -770,8 +647,7 @@ class VTokenSchedulerMixin:
         if tail and rid in payload.unshare:  # (mode naive: copies made past what it keeps)
             payload.unshare[rid] = [e for e in payload.unshare[rid] if e[0] < keep]
         if tail:
-            if self._vt_worker:  # the blocks it holds (sched/counts.py)
-                self._vt_cols.data[C.HELD, st.row] = keep
+            self._vt_cols.data[C.HELD, st.row] = keep  # the blocks it holds (sched/counts.py)
             if self._vt_check:
                 self._vt_freed_this_step.extend(b.block_id for b in tail)
             payload.truncate[rid] = keep
@@ -779,7 +655,7 @@ class VTokenSchedulerMixin:
         return len(tail)
 
     def _vt_finish_payload(self, payload: StepPayload) -> None:
-        """The step's changed offsets and (``decide_on: worker``) the request states made in it."""
+        """The step's changed offsets and the request states made in it."""
         if self._vt_offset_updates:
             payload.offsets = self._vt_offset_updates
             self._vt_offset_updates = {}
@@ -790,7 +666,7 @@ class VTokenSchedulerMixin:
             self._vt_new_states = {}
 
     def _vt_collect_counts(self, payload: StepPayload) -> None:
-        """``decide_on: worker``: drop the eviction of a request that the stock ``schedule()``
+        """Drop the eviction of a request that the stock ``schedule()``
         preempted after it was planned (its blocks are back in the pool; its state was dropped
         and it restarts from its prompt, so the worker must not touch its old slots)."""
         for rid in self._vt_preempted_now:
@@ -890,7 +766,7 @@ class VTokenSchedulerMixin:
         return [(i, o.block_id, b.block_id) for i, o, b in zip(idx, old, new)]
 
     def _vt_copy_hit(self, rid: str, lo: int, hi: int) -> bool:
-        """``decide_on: worker``, a request starting with a prefix-cache hit, for a policy that
+        """A request starting with a prefix-cache hit, for a policy that
         needs no statistics of the hit's tokens: copy its hit blocks ``lo..hi-1`` into private
         blocks in this step (``_vt_copy_cached``), so the worker writes their policy state as
         for the request's own tokens and the request may evict inside its hit
@@ -933,12 +809,12 @@ class VTokenSchedulerMixin:
                 payload.kept_blocks[rid] = [b.block_id for b in self._vt_mgr.req_to_blocks[rid]]
 
     def _vt_evict_count(self, rid: str, st: RequestState, k: int, payload: StepPayload) -> None:
-        """``decide_on: worker``: evict ``k`` tokens of ``rid`` in counts; the worker picks which.
+        """Evict ``k`` tokens of ``rid`` in counts; the worker picks which.
 
         ``k`` (logged as asked, :meth:`RequestState.log_eviction`) is capped at the tokens no
         protection covers (:func:`vtoken.protocol.evictable`), which is what the worker's
         selection evicts; the request's tail blocks past ``cdiv(live + 1, B)`` go back to the
-        pool now, as under ``decide_on: scheduler``. Prefix caching: a first eviction first
+        pool now. Prefix caching: a first eviction first
         copies the cached blocks the request may write (:meth:`_vt_ready_to_evict`), or is
         deferred (nothing logged).
         """
@@ -971,73 +847,6 @@ class VTokenSchedulerMixin:
         s.evictions += 1
         s.prefill_evictions += not st.decoding
 
-    def _vt_after_scheduled(self, req, st: RequestState, n: int, payload: StepPayload) -> None:
-        """Append this step's ``n`` tokens; ask for scores; account blocks; detect prefill end.
-
-        A resuming request's first ``min(n, refill)`` tokens re-prefill live tokens already in
-        its table (``payload.refill``); only the rest are appended.
-        """
-        rid = req.request_id
-        if st.resuming:  # live slots below vLLM's position of this chunk (minus the offset) are done
-            done = req.num_computed_tokens - n - st.table.offset
-            if (st.refill == st.table.num_live and done > st.protected and self._vt_caching and st.may_evict
-                    and st.policy.keeps_hit(st.prompt_len, done)):
-                # The resume's first chunk hit the prefix cache. vLLM looks up only a request
-                # that resumes at num_computed_tokens 0, i.e. one that has evicted nothing, so
-                # slots == positions and the hit is the KV it computed; a policy that needs the
-                # prompt's statistics keeps the hit, as at admission (_vt_state), and
-                # protecting it now equals protecting it from the start (the oracle takes the
-                # final ``protected``).
-                st.protected = done // self._vt_bs * self._vt_bs
-                st.floor = max(st.policy.sink_tokens, st.protected)
-            st.refill = max(0, st.table.num_live - done)
-        r = min(n, st.refill)
-        if r:
-            done = st.table.num_live - st.refill
-            pos = st.table.logical_pos[done:done + r].copy()
-            ids = req.all_token_ids
-            payload.refill[rid] = (pos, np.fromiter((ids[p] for p in pos), dtype=np.int64, count=r))
-            self._vt_offset_updates[rid] = st.table.offset
-            st.refill -= r
-        old = st.table.num_live
-        st.table.append(n - r)
-        st.naive.append(n - r)
-        st.pstate.reset_slots(old, old + n - r)
-        # Every token now has KV once this step ran: the step samples, the (re-)prefill is done.
-        # (Under async scheduling num_computed_tokens already counts the in-flight placeholders.)
-        samples = req.num_computed_tokens >= req.num_tokens
-        held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
-        if st.decoding:
-            st.decode_steps += 1
-        elif st.resuming and samples:  # the re-prefill is the decode step it replaced
-            st.decode_steps += 1
-            st.resuming = False
-            st.preempt_log[-1][1] = held
-        if st.may_evict and not st.faulted and st.policy.needs != AttentionNeed.NONE and (
-            not st.decoding or st.decode_steps % st.cfg.score_every == 0
-        ):
-            payload.scores[rid] = st.policy.needs.value
-            payload.score_steps[rid] = (st.generation, st.steps)
-            st.lag.expect(st.steps, st.table.logical_pos[: st.table.num_live - st.refill], sampled=samples)
-        st.decoding |= samples
-        naive_b = max(st.naive.num_retained_blocks, cdiv(st.table.num_live, self._vt_bs))
-        full_b = cdiv(st.table.num_logical, self._vt_bs)
-        st.steps += 1
-        st.held_block_steps += held
-        st.peak_blocks = max(st.peak_blocks, held)
-        st.naive_block_steps += naive_b
-        st.naive_peak_blocks = max(st.naive_peak_blocks, naive_b)
-        st.full_block_steps += full_b
-        st.full_peak_blocks = max(st.full_peak_blocks, full_b)
-
-    def _vt_fold_scores(self, st: RequestState, current_step: int) -> None:
-        """Fold the statistics due before request-step ``current_step``'s decision into the policy."""
-        for e in st.lag.ready(current_step):
-            table = st.table
-            view = TokenView(table.logical_pos, table.num_logical, st.prompt_len, st.protected)
-            stats = remap_stats(e.stats, e.logical_pos, table.logical_pos, table.num_logical)
-            st.policy.observe(st.pstate, table.num_live, stats, view)
-
     def vt_expected_blocks(self, st: RequestState) -> int:
         """Blocks a scheduled request must hold after schedule(): ceil(live/B) under vToken
         (live includes this step's tokens, so this covers the block the next token needs),
@@ -1052,76 +861,19 @@ class VTokenSchedulerMixin:
         """
         check_invariants(self._vt_mgr.req_to_blocks, self.kv_cache_manager.block_pool, self._vt_states,
                          self._vt_accounting, out.num_scheduled_tokens if out is not None else {},
-                         moves=getattr(out, "vtoken", None), move_owners=self._vt_move_owners)
-
-    def _vt_evict(self, rid: str, st: RequestState, k: int, payload: StepPayload,
-                  srcs: list[np.ndarray], dsts: list[np.ndarray],
-                  move_by: list[tuple[str, RequestState, int]]) -> Optional[bool]:
-        """``decide_on: scheduler``: evict up to ``k`` tokens of ``rid`` (the policy's victims), plan
-        the repack moves into ``srcs``/``dsts`` and free the tail blocks. Returns False when the
-        eviction was deferred (:meth:`_vt_ready_to_evict`), else None."""
-        table = st.table
-        view = TokenView(logical_pos=table.logical_pos, num_logical=table.num_logical, prompt_len=st.prompt_len,
-                         protected_prefix=st.protected)
-        victims = st.policy.select_victims(st.pstate, view, k)
-        if len(victims) == 0:
-            return None
-        if not self._vt_ready_to_evict(rid, st, table.num_live - len(victims), payload):
-            return False
-        positions = table.logical_pos[victims].copy()
-        first_dead = int(positions.min())
-        st.clean_len = min(table.num_logical if st.clean_len is None else st.clean_len, first_dead)
-        blocks = self._vt_mgr.req_to_blocks[rid]
-        plan = table.evict_slots(victims)
-        self._vt_accounting.set_offset(rid, st)
-        st.naive.evict_positions(positions)
-        st.pstate.apply_moves(plan.src, plan.dst)
-        bs = self._vt_bs
-        if plan.num_moves:
-            ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
-            srcs.append(ids[plan.src // bs] * bs + plan.src % bs)
-            dsts.append(ids[plan.dst // bs] * bs + plan.dst % bs)
-            move_by.append((rid, st, st.generation))
-            # (the smallest slot a move wrote: the trace and the checks' messages)
-            st.min_dst_slot = min(st.min_dst_slot, int(plan.dst.min()))
-            if self._vt_check:
-                for i in np.unique(plan.dst // bs).tolist():
-                    self._vt_move_owners[int(ids[i])] = (rid, int(i), st.protected, st.clean_len)
-        freed = self._vt_free_tail(rid, st, payload)
-        self._vt_offset_updates[rid] = table.offset
-        st.evicted += len(victims)
-        st.moved += plan.num_moves
-        s = self.vt_stats
-        s.evicted_tokens += len(victims)
-        s.moved_tokens += plan.num_moves
-        s.freed_blocks += freed
-        s.evictions += 1
+                         moves=getattr(out, "vtoken", None))
 
     # ------------------------------------------------------------------ feedback
     def update_from_output(self, scheduler_output, model_runner_output):
         naive = getattr(model_runner_output, "vtoken_naive_freed", None)
         if naive:
             self._vt_take_naive_freed(naive, getattr(scheduler_output, "vtoken_step", -1))
-        scores = getattr(model_runner_output, "vtoken_scores", None) or {}
-        payload = getattr(scheduler_output, "vtoken", None)
-        if scores and payload is not None:
-            for rid, (col_sum, last_row) in scores.items():
-                st = self._vt_states.get(rid)
-                tag = payload.score_steps.get(rid)
-                if st is None or tag is None or tag[0] != st.generation or st.faulted:
-                    continue  # finished, preempted since (a new state), or eviction off for it
-                try:
-                    st.lag.deliver(tag[1], AttentionStats(col_sum=col_sum, last_row=last_row))
-                    if self._vt_lag == SCORE_LAG_SYNC:
-                        self._vt_fold_scores(st, st.steps)
-                except Exception as e:  # noqa: BLE001 - confined to this request
-                    self._vt_fault(rid, st, e)
         res = super().update_from_output(scheduler_output, model_runner_output)
         self._vt_publish_if_idle()
         return res
 
     def _vt_take_naive_freed(self, freed: dict[str, int], step: int) -> None:
-        """``decide_on: worker``: the worker's Naive-Evict freed-block counts of step ``step``
+        """The worker's Naive-Evict freed-block counts of step ``step``
         (``WorkerDecisions.take_naive_freed``), read before vLLM finishes requests (so a finished
         request's figures include its last eviction). A count for a state made after that step
         (the request was preempted and started again since) is stale and dropped. Under
@@ -1156,12 +908,6 @@ class VTokenSchedulerMixin:
         rid = request.request_id
         st = self._vt_states.get(rid)
         super()._free_request_blocks(request)
-        if (st is not None and not request.is_finished() and st.cfg.mode == "vtoken" and (st.decoding or st.resuming)
-                and not self._vt_worker):
-            # Preempted while decoding: keep the token table; resume with the live tokens only.
-            st.prepare_resume()
-            self.vt_stats.preemption_resets += 1
-            return
         st = self._vt_states.pop(rid, None)
         # a dropped state restarts from its prompt, clean: vLLM hashes its blocks again as they fill
         self._vt_accounting.cache_cap.pop(rid, None)
@@ -1182,20 +928,10 @@ class VTokenSchedulerMixin:
             self._vt_accounting.admission_cap.pop(rid, None)
 
     def _preempt_request(self, request, *args, **kwargs):
-        """vLLM's preemption, then: a request whose state was kept resumes at its offset.
-
-        Its ``num_computed_tokens`` becomes ``logical - live`` (vLLM reset it to 0): the
-        evicted tokens count as done, so at resume vLLM schedules the ``live`` tokens plus
-        the last sampled one, the KV manager allocates blocks for those only (through
-        :class:`BlockAccounting`), and no prefix-cache lookup is made (vLLM looks up only
-        requests with ``num_computed_tokens == 0``; a request that never evicted resumes at
-        0 and re-prefills everything, as stock).
-        """
+        """vLLM's preemption; the request's eviction planned in this step is dropped
+        (:meth:`_vt_collect_counts`)."""
         super()._preempt_request(request, *args, **kwargs)
         self._vt_preempted_now.add(request.request_id)
-        st = self._vt_states.get(request.request_id)
-        if st is not None and st.resuming:
-            request.num_computed_tokens = st.table.offset
 
     def _vt_record_finished(self, rid: str, st: RequestState) -> None:
         if len(self.vt_finished) >= 100_000:
@@ -1206,30 +942,17 @@ class VTokenSchedulerMixin:
 
     def _vt_update_gauges(self) -> None:
         s = self.vt_stats
-        live = logical = retained = naive = dense = evicting = 0
-        if self._vt_worker:  # the counts from the rows of self._vt_cols, every state at once
-            # (a state is never resuming here: decide_on: worker drops a preempted request's state)
-            hit = self._vt_rows_cache.get("states")
-            if hit is None or hit[0] != self._vt_rows_version:
-                rows = np.fromiter(self._vt_rows.values(), dtype=np.int64, count=len(self._vt_rows))
-                hit = self._vt_rows_cache["states"] = (self._vt_rows_version, _as_slice(rows) or rows)
-            data = self._vt_cols.data
-            lv, lg, held, nv = (data[c, hit[1]] for c in (C.LIVE, C.LOGICAL, C.HELD, C.NAIVE_BLOCKS))
-            live, logical = int(np.add.reduce(lv)), int(np.add.reduce(lg))
-            retained, naive = int(np.add.reduce(held)), int(np.add.reduce(nv))  # (held: len(req_to_blocks))
-            dense = int(np.add.reduce((lv + (self._vt_bs - 1)) // self._vt_bs))
-            evicting = int(np.count_nonzero(lg > lv))
-        else:
-            for rid, st in self._vt_states.items():
-                held = len(self._vt_mgr.req_to_blocks.get(rid, ()))
-                if st.resuming and not held:
-                    continue  # preempted, waiting to resume: holds nothing
-                live += st.table.num_live
-                logical += st.table.num_logical
-                retained += held
-                naive += st.naive.num_retained_blocks
-                dense += cdiv(st.table.num_live, self._vt_bs)
-                evicting += st.table.offset > 0
+        # the counts from the rows of self._vt_cols, every state at once
+        hit = self._vt_rows_cache.get("states")
+        if hit is None or hit[0] != self._vt_rows_version:
+            rows = np.fromiter(self._vt_rows.values(), dtype=np.int64, count=len(self._vt_rows))
+            hit = self._vt_rows_cache["states"] = (self._vt_rows_version, _as_slice(rows) or rows)
+        data = self._vt_cols.data
+        lv, lg, held, nv = (data[c, hit[1]] for c in (C.LIVE, C.LOGICAL, C.HELD, C.NAIVE_BLOCKS))
+        live, logical = int(np.add.reduce(lv)), int(np.add.reduce(lg))
+        retained, naive = int(np.add.reduce(held)), int(np.add.reduce(nv))  # (held: len(req_to_blocks))
+        dense = int(np.add.reduce((lv + (self._vt_bs - 1)) // self._vt_bs))
+        evicting = int(np.count_nonzero(lg > lv))
         s.live_tokens, s.logical_tokens, s.retained_blocks = live, logical, retained
         s.naive_retained_blocks, s.dense_blocks, s.num_evicting_requests = naive, dense, evicting
         if self._vt_caching:
@@ -1247,7 +970,6 @@ class VTokenSchedulerMixin:
                     num_logical=st.table.num_logical,
                     blocks=len(self._vt_mgr.req_to_blocks.get(rid, ())),
                     naive_blocks=st.naive.num_retained_blocks,
-                    logical_pos=None if self._vt_worker else st.table.logical_pos.tolist(),
                 )
                 for rid, st in self._vt_states.items()
             },
@@ -1260,9 +982,5 @@ class VTokenScheduler(VTokenSchedulerMixin, Scheduler):
 
 
 class VTokenAsyncScheduler(VTokenSchedulerMixin, AsyncScheduler):
-    """vLLM's ``AsyncScheduler`` (async scheduling, batch queue 2) with vToken.
-
-    Statistics reach the policies one request-step late (``score_lag = 1``), remapped by
-    logical position; scoring policies start evicting at the second decode step. The dense
-    oracle replays the same rule (``oracle_generate(score_lag=1)``).
-    """
+    """vLLM's ``AsyncScheduler`` (async scheduling, batch queue 2) with vToken. The worker folds
+    each step's statistics before the next step's decision, so async decides exactly as sync."""

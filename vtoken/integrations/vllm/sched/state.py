@@ -1,9 +1,10 @@
 """vToken's per-request and engine-wide state in the scheduler (plain data, no vLLM import).
 
-:class:`RequestState` holds one request's token table, Naive-Evict accounting, policy
-state and the queue of attention statistics still to fold in
-(:class:`~vtoken.score_lag.ScoreLagQueue`); :class:`VTokenStats` the engine-wide counters
-and gauges exported as ``vtoken:`` metrics.
+:class:`RequestState` holds one request's counts (live and logical tokens, budget, pacing,
+protections, lifetime block figures, the eviction log; the integers live in a row of
+:class:`~vtoken.integrations.vllm.sched.counts.CountColumns`, :class:`CountState`); the policy
+state, token tables and statistics live on the worker. :class:`VTokenStats` holds the
+engine-wide counters and gauges exported as ``vtoken:`` metrics.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from vtoken.config import VTokenConfig
-from vtoken.policies.base import EvictionPolicy, SlotState
-from vtoken.repack import NaiveEvictCounter
-from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step
-from vtoken.token_table import TokenTable
+from vtoken.policies.base import EvictionPolicy
 
 __all__ = ["RequestState", "VTokenStats", "cdiv"]
 
@@ -32,26 +30,20 @@ def cdiv(a: int, b: int) -> int:
 class RequestState:
     """vToken's state for one request (keyed by request id, never by batch row).
 
-    A state is made when a request is first scheduled. A preemption of a decoding request
-    under ``mode: vtoken`` keeps it (:meth:`prepare_resume`): the request resumes by
-    re-prefilling only its live tokens; otherwise (``naive``, or still in its first prefill)
-    the state is dropped and a new one made when the request is scheduled again.
-    ``generation`` changes at each of these, so an in-flight step's statistics never reach
-    a state (or a resumed request) made after it.
+    A state is made when a request is first scheduled; a preemption drops it, and a new one
+    is made when the request is scheduled again (it restarts from its prompt). Its ``table``
+    (live and logical counts) and ``naive`` (Naive-Evict's retained blocks, from the worker's
+    reports) are set by the subclass that keeps the counts
+    (:class:`~vtoken.integrations.vllm.sched.counts.CountState`).
     """
 
     cfg: VTokenConfig
     budget: int  # tokens
     slack: int  # tokens
     policy: EvictionPolicy
-    pstate: SlotState
-    table: TokenTable
-    naive: NaiveEvictCounter
     prompt_len: int
-    lag: ScoreLagQueue
-    #: first decode step (1 = the first decode forward) at which eviction may run
-    #: (:func:`vtoken.score_lag.first_evicting_decode_step`).
-    first_evict: int = 1
+    table: Any = None
+    naive: Any = None
     #: set once a scheduled step completes the (re-)prefill, i.e. samples a token; decided
     #: at schedule time, so async scheduling starts eviction at the same step as sync.
     decoding: bool = False
@@ -79,7 +71,7 @@ class RequestState:
     protected: int = 0
     #: prefix-cache hit when this state was made (tokens whose KV came from cached blocks).
     cached_tokens: int = 0
-    #: ``decide_on: worker``: the hit's first tokens whose blocks the request still shares (their
+    #: the hit's first tokens whose blocks the request still shares (their
     #: policy state on the worker is read-only for it); None: the whole hit. The rest of the hit
     #: was copied into private blocks when the state was made (``VTokenScheduler._vt_copy_hit``).
     shared_tokens: Optional[int] = None
@@ -91,7 +83,7 @@ class RequestState:
     #: yet). Blocks from here on are never hashed for later requests, even once it ends.
     min_dst_slot: int = 1 << 62
     generation: int = field(default_factory=lambda: next(_generation))
-    #: decide_on: worker: the scheduler step that made this state (the worker's reports of
+    #: the scheduler step that made this state (the worker's reports of
     #: earlier steps belong to an earlier state of the same request)
     born_step: int = 0
     # lifetime accounting (for retained-blocks figures); ``steps`` is also the request-step index
@@ -103,17 +95,9 @@ class RequestState:
     full_block_steps: int = 0  # the same with no eviction: ceil(logical/B)
     full_peak_blocks: int = 0
     evicted: int = 0
-    moved: int = 0
     #: (decode step, tokens asked of the policy) of every eviction: the oracle replays it
     evict_log: list = field(default_factory=list)
-    #: preempted and not yet resumed: the next scheduled tokens re-prefill the live tokens
-    resuming: bool = False
-    #: live tokens (a prefix of the slots) whose KV the resumed prefill has still to recompute
-    refill: int = 0
-    #: [decode step whose forward is the re-prefill, blocks held when it is scheduled (-1 until
-    #: then)] per preemption: the oracle replays the steps (``oracle_generate(preempt_at=...)``)
-    preempt_log: list = field(default_factory=list)
-    #: tokens scheduled in each prefill chunk (``decide_on: worker``; the oracle replays the
+    #: tokens scheduled in each prefill chunk (the oracle replays the
     #: chunking, ``oracle_generate(prefill_chunks=...)``)
     chunk_log: list = field(default_factory=list)
     #: ``prefill_eviction: chunks``: ``(boundary, k)`` per eviction before a prefill chunk, ``boundary``
@@ -127,30 +111,6 @@ class RequestState:
         keeps the log in runs)."""
         self.evict_log.append((step, k))
 
-    def prepare_resume(self) -> None:
-        """Keep this state across a preemption (the request's blocks are gone).
-
-        The live tokens are reordered into ascending logical order (so the re-prefill's
-        causal attention sees them in the order the dense oracle does), the policy state is
-        permuted with them, pending attention statistics are dropped (the oracle drops them
-        too) and a new ``generation`` makes any in-flight step's statistics stale. The
-        re-prefill is recorded as decode step ``d = decode_steps + 1``; eviction resumes at
-        decode step ``d + first_evicting_decode_step(needs, lag)`` (``d + 1``, or ``d + 1 + lag``
-        for a scoring policy), as after the first prefill.
-        """
-        order = self.table.sort_by_position()
-        self.pstate.compact(order)
-        self.lag.clear()
-        self.generation = next(_generation)
-        if not self.resuming:
-            self.preempt_log.append([self.decode_steps + 1, -1])
-        # as after the first prefill: a scoring policy evicts again once the re-prefill's
-        # statistics are folded in (decode step d + 1 + lag), whatever its chunking
-        self.first_evict = self.preempt_log[-1][0] + first_evicting_decode_step(self.policy.needs, self.lag.lag)
-        self.decoding = False
-        self.resuming = True
-        self.refill = self.table.num_live
-
     def lifetime(self, req_id: str) -> dict[str, Any]:
         """The finished request's lifetime figures (blocks are time averages over its steps)."""
         n = max(self.steps, 1)
@@ -160,9 +120,9 @@ class RequestState:
             naive_avg_blocks=self.naive_block_steps / n, naive_peak_blocks=self.naive_peak_blocks,
             naive_blocks=self.naive.num_retained_blocks,
             full_avg_blocks=self.full_block_steps / n, full_peak_blocks=self.full_peak_blocks,
-            evicted=self.evicted, moved=self.moved, num_logical=self.table.num_logical, num_live=self.table.num_live,
+            evicted=self.evicted, num_logical=self.table.num_logical, num_live=self.table.num_live,
             protected=self.protected, cached_tokens=self.cached_tokens,
-            evict_log=[list(e) for e in self.evict_log], preempt_log=[list(e) for e in self.preempt_log],
+            evict_log=[list(e) for e in self.evict_log],
             prefill_chunks=list(self.chunk_log), prefill_evict_log=[list(e) for e in self.prefill_evict_log],
         )
 

@@ -1,26 +1,25 @@
-"""The runner-neutral part of vToken's worker: moves, offsets, scores.
+"""The runner-neutral part of vToken's worker: decisions, moves, offsets, statistics.
 
 Both model-runner adapters (``runner_v1.py`` for vLLM's V1 ``GPUModelRunner`` family,
 ``runner_v2.py`` for Model Runner V2) own one :class:`VTokenWorkerCore` and call it at
 their runner's seams. Per step, before any KV write of the step:
 
-1. :meth:`VTokenWorkerCore.begin_step` applies the step's token moves in every layer (they
-   may read blocks the scheduler freed in this step and already handed to another request:
-   reading before any write keeps that safe), records the offsets (logical minus live
-   tokens) and which requests want scores; the adapter then truncates its block-table rows;
+1. :meth:`VTokenWorkerCore.begin_step` lets
+   :class:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions` select each evicting
+   request's victims and applies the moves it plans in every layer (they may read blocks the
+   scheduler freed in this step and already handed to another request: reading before any
+   write keeps that safe), records the offsets (logical minus live tokens) and which requests
+   want statistics; the adapter then truncates its block-table rows;
 2. the adapter makes the slot mapping and attention's ``seq_lens`` physical with
    :meth:`batch_offsets` while positions stay logical (RoPE);
-   A request resuming after a preemption re-prefills its live tokens
-   (``payload.refill``): vLLM schedules them at positions ``offset..``, so the physical slots
-   above are already dense; :meth:`refill_inputs` gives the adapter the input ids and
-   logical (RoPE) positions to write over vLLM's for those tokens;
 3. :meth:`start_scoring` arms :class:`~vtoken.integrations.vllm.worker.scoring.StepScores`, which the
    attention wrapper (:meth:`wrap_attention`) fills layer by layer;
-4. :meth:`take_scores` collects them; under tensor parallelism (each rank scores only its own
-   ``Hq / TP`` query heads) it sums them over the TP group with one all-reduce, so every rank
-   holds the mean over **all** query heads and layers (:meth:`_reduce_over_tp`);
-5. :meth:`attach_scores` hangs the statistics on the step's ``ModelRunnerOutput`` (directly,
-   or through the async output object that produces it).
+4. :meth:`finish_step` folds them into the side cache; under tensor parallelism (each rank
+   scores only its own ``Hq / TP`` query heads) it sums them over the TP group with one
+   all-reduce first, so every rank holds the mean over **all** query heads and layers
+   (:meth:`_reduce_over_tp`). No statistic leaves the worker;
+5. :meth:`attach_naive_freed` hangs Naive-Evict's changed freed-block counts on the step's
+   ``ModelRunnerOutput`` (directly, or through the async output object that produces it).
 
 The backend's KV layout is reached only through
 :class:`~vtoken.integrations.vllm.worker.kv_layout.KVLayout` (a ``layout_for(layer, kv_cache)``
@@ -71,7 +70,6 @@ class VTokenWorkerCore:
         self.layout_for = layout_for
         self.offsets: dict[str, int] = {}  # req_id -> logical tokens minus live tokens (non-zero only)
         self.score_reqs: dict[str, int] = {}  # req_id -> AttentionNeed value, this step
-        self.refill: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # req_id -> (positions, ids), this step
         self.step: Optional[StepScores] = None
         self._caches: Optional[list[tuple[torch.Tensor, KVLayout]]] = None
         self._stack: Any = False  # CPULayerStack of kv_caches(), None where they do not stack; False: not built
@@ -82,7 +80,7 @@ class VTokenWorkerCore:
         self.reduce_bytes = 0
         #: test hook (docs/scaling.md): ``VTOKEN_TEST_WORKER_DIR`` -> per-rank KV digests and all-reduce log
         self.test_dir = os.environ.get("VTOKEN_TEST_WORKER_DIR") or None
-        #: decide_on: worker (made on the first payload that announces a request state)
+        #: the decisions (made on the first payload that announces a request state)
         self.decisions: Optional[WorkerDecisions] = None
         #: prefix caching: cached blocks copied into private ones (:meth:`copy_blocks`)
         self.copied_blocks = 0
@@ -194,10 +192,9 @@ class VTokenWorkerCore:
         """Apply the step's moves in every layer; record offsets and score requests.
 
         Must run before any KV write of the step. Block-table truncation
-        (``payload.truncate`` / ``payload.kept_blocks``) is the adapter's job. Under
-        ``decide_on: worker`` the moves are this worker's own choice
-        (:class:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions`, which reads
-        ``scheduler_output`` for the step's block ids and token counts).
+        (``payload.truncate`` / ``payload.kept_blocks``) is the adapter's job. The moves are this
+        worker's own choice (:class:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions`,
+        which reads ``scheduler_output`` for the step's block ids and token counts).
         """
         if payload is not None and payload.states and self.decisions is None:
             caches = self.kv_caches()
@@ -212,26 +209,20 @@ class VTokenWorkerCore:
             for gran, src, dst, sets in self.decisions.begin(scheduler_output, payload):
                 self._apply_set_moves(gran, src, dst, sets)
         if payload is not None:
-            if payload.num_moves:
-                src = torch.from_numpy(payload.src)
-                dst = torch.from_numpy(payload.dst)
-                self._move_every_layer(src, dst)
             for rid, off in payload.offsets.items():
                 if off:
                     self.offsets[rid] = off
                 else:
                     self.offsets.pop(rid, None)
             self.score_reqs = payload.scores
-            self.refill = payload.refill
         else:
             self.score_reqs = {}
-            self.refill = {}
         self.forget(finished)
 
     def copy_blocks(self, unshare: dict[str, list[tuple[int, int, int]]]) -> None:
         """Prefix caching, a request's first eviction (``StepPayload.unshare``): copy each cached
         block into its new private block, every slot, in every layer and KV head and in the
-        side caches of ``decide_on: worker``, as one gather-then-scatter batch (a block one copy
+        side caches, as one gather-then-scatter batch (a block one copy
         reads may be another copy's target in the same step), before any move of the step."""
         pairs = [(old, new) for entries in unshare.values() for _, old, new in entries]
         if not pairs:
@@ -441,36 +432,6 @@ class VTokenWorkerCore:
         off = np.fromiter((self.offsets.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
         return off if off.any() else None
 
-    def refill_inputs(self, req_ids: list[str], query_start: np.ndarray
-                      ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Inputs of this step's re-prefilled live tokens (requests resuming after a preemption).
-
-        Args:
-            req_ids: the batch's request ids, batch order.
-            query_start: int ``[>= len(req_ids)]``, index of each row's first token in the
-                flattened batch.
-
-        Returns:
-            ``(index, positions, token_ids)``, int64 CPU tensors ``[R]``: flat token indices
-            and the logical positions / token ids to write there (the first ``r`` tokens of
-            each resuming row, ``r`` from ``payload.refill``); None when no row resumes.
-        """
-        if not self.refill:
-            return None
-        idx, pos, ids = [], [], []
-        for i, rid in enumerate(req_ids):
-            f = self.refill.get(rid)
-            if f is None:
-                continue
-            start = int(query_start[i])
-            idx.append(np.arange(start, start + len(f[0]), dtype=np.int64))
-            pos.append(f[0])
-            ids.append(f[1])
-        if not idx:
-            return None
-        return (torch.from_numpy(np.concatenate(idx)), torch.from_numpy(np.concatenate(pos)),
-                torch.from_numpy(np.concatenate(ids)))
-
     def start_scoring(self, req_ids: list[str], positions: Optional[torch.Tensor] = None) -> None:
         """Arm :attr:`step` for the rows of this batch that asked for scores (batch order).
 
@@ -493,8 +454,9 @@ class VTokenWorkerCore:
                     rope = (self.rope, positions)
                 self.step = StepScores(rows, grans=grans, windows=windows, rope=rope, stack=self.layer_stack())
 
-    def take_scores(self) -> Optional[ScoreMap]:
-        """The step's statistics (req_id -> (col_sum, last_row)), or None; disarms :attr:`step`.
+    def finish_step(self) -> None:
+        """Fold the step's statistics (req_id -> (col_sum, last_row)) into the side cache
+        (:meth:`WorkerDecisions.fold`); disarms :attr:`step`.
 
         Under tensor parallelism the statistics are reduced over the TP group first
         (:meth:`_reduce_over_tp`); whether that collective runs depends only on the step's
@@ -513,16 +475,14 @@ class VTokenWorkerCore:
         if wanted and self._tp_world() > 1:
             res = self._reduce_over_tp(st) or None
         elif st is None:
-            return None
+            return
         else:
             res = st.result() or None
-        if self.decisions is not None:  # decide_on: worker: folded here; no statistic goes back
+        if self.decisions is not None:  # folded here; no statistic goes back
             self.decisions.fold(res)
-            return None
-        return res
 
     def take_naive_freed(self) -> Optional[dict[str, int]]:
-        """``decide_on: worker``: the step's changed Naive-Evict freed-block counts
+        """The step's changed Naive-Evict freed-block counts
         (:meth:`WorkerDecisions.take_naive_freed`), or None."""
         if self.decisions is None:
             return None
@@ -625,23 +585,17 @@ class VTokenWorkerCore:
         np.save(os.path.join(self.test_dir, f"kv-rank{self._rank()}-{safe}.npy"), torch.stack(ks).numpy())
 
     @staticmethod
-    def attach_scores(out, scores: Optional[ScoreMap], naive_freed: Optional[dict[str, int]] = None):
-        """Hang ``scores`` on the step's output as ``vtoken_scores`` (and ``decide_on: worker``'s
-        ``naive_freed``, req_id -> Naive-Evict's freed blocks, as ``vtoken_naive_freed``); returns
-        the output to pass on.
+    def attach_naive_freed(out, naive_freed: Optional[dict[str, int]]):
+        """Hang ``naive_freed`` (req_id -> Naive-Evict's freed blocks) on the step's output as
+        ``vtoken_naive_freed``; returns the output to pass on.
 
         Handles a ``ModelRunnerOutput`` (a shared empty one is copied first), Model Runner
         V2's ``AsyncOutput`` (its ``model_runner_output``) and the V1 runner's async output
-        (its ``get_output`` is wrapped on the instance). On the CPU the statistics are
-        host arrays computed during the forward, so nothing is left in flight.
+        (its ``get_output`` is wrapped on the instance).
         """
-        if (not scores and not naive_freed) or out is None:
+        if not naive_freed or out is None:
             return out
-        attrs = {}
-        if scores:
-            attrs["vtoken_scores"] = scores
-        if naive_freed:
-            attrs["vtoken_naive_freed"] = naive_freed
+        attrs = {"vtoken_naive_freed": naive_freed}
         inner = getattr(out, "model_runner_output", None)
         if inner is not None:  # MRV2 AsyncOutput: get_output() returns this very object
             _set_attrs(inner, attrs)
@@ -663,4 +617,4 @@ class VTokenWorkerCore:
 
             out.get_output = get_output
             return out
-        raise TypeError(f"vToken: cannot attach scores to a {type(out).__name__}")
+        raise TypeError(f"vToken: cannot attach Naive-Evict counts to a {type(out).__name__}")

@@ -1,4 +1,4 @@
-"""``decide_on: worker``: the worker picks the victims (``docs/device-decisions.md``).
+"""The worker picks the victims (``docs/device-decisions.md``).
 
 The scheduler sends, per step, how many tokens each request evicts (``StepPayload.evict``)
 and, when it makes a request's state, the request's policy and protections
@@ -68,7 +68,7 @@ def num_sets(granularity: str, num_layers: int, num_kv_heads: int) -> int:
 def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_layers: int, num_kv_heads: int,
                        available: int, blocks_override: Optional[int] = None) -> int:
     """The KV cache's share of ``available`` bytes once the side cache of the engine's policy is
-    counted against it (``decide_on: worker``; ``docs/device-decisions.md``, "Memory").
+    counted against it (``docs/device-decisions.md``, "Memory").
 
     The side cache shadows every KV slot (``WorkerDecisions``), so with ``s`` side-cache bytes
     and ``kv`` K/V bytes per token, ``available`` holds ``available / (kv + s)`` tokens of both:
@@ -87,7 +87,7 @@ def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_
     Returns:
         bytes for the KV cache (``available`` when nothing is reserved).
     """
-    if not vtoken_cfg or vtoken_cfg.get("decide_on") != "worker" or kv_bytes_per_token <= 0:
+    if not vtoken_cfg or kv_bytes_per_token <= 0:
         return available
     cfg = VTokenConfig(**vtoken_cfg)
     gran = cfg.resolved_granularity()
@@ -159,19 +159,31 @@ class _Group:
     def set_blocks(self, row: int, ids: list[int], append: bool) -> None:
         start = int(self.nblocks[row]) if append else 0
         end = start + len(ids)
-        if end > self.bt.shape[1]:
-            grown = np.zeros((self.bt.shape[0], max(end, 2 * self.bt.shape[1])), dtype=np.int64)
-            grown[:, : self.bt.shape[1]] = self.bt
-            self.bt = grown
+        self._ensure_width(end)
         self.bt[row, start:end] = ids
         self.nblocks[row] = end
+
+    def _ensure_width(self, width: int) -> None:
+        if width > self.bt.shape[1]:
+            grown = np.zeros((self.bt.shape[0], max(width, 2 * self.bt.shape[1])), dtype=np.int64)
+            grown[:, : self.bt.shape[1]] = self.bt
+            self.bt = grown
+
+    def put_blocks(self, row: int, entries: list[tuple[int, int]]) -> None:
+        """Block ``new`` at index ``i`` of ``row`` for each ``(i, new)`` (prefix caching's private
+        copies); the table grows to hold an index past its width (a new group's table starts
+        narrower than a long prompt's row)."""
+        if entries:
+            self._ensure_width(max(i for i, _ in entries) + 1)
+            for i, new in entries:
+                self.bt[row, i] = new
 
     def table(self, rows: list[int]) -> torch.Tensor:
         return torch.from_numpy(self.bt[rows]).to(self.dec.live.device)
 
 
 class WorkerDecisions:
-    """The worker's side of ``decide_on: worker`` (module docstring).
+    """The worker's side of the eviction: which tokens (module docstring).
 
     Args:
         num_blocks, block_size: the KV cache's pool (the side caches shadow every slot).
@@ -271,8 +283,7 @@ class WorkerDecisions:
         for rid, entries in payload.unshare.items():  # (copied by the caller before this)
             got = self.where.get(rid)
             if got is not None:
-                for i, _, new in entries:
-                    got[0].bt[got[1], i] = new
+                got[0].put_blocks(got[1], [(i, new) for i, _, new in entries])
         moves = self._evict(payload.evict) if payload.evict else []
         for rid, keep in payload.truncate.items():
             got = self.where.get(rid)

@@ -4,10 +4,9 @@ The seams are those of the CPU adapters (:class:`~vtoken.integrations.vllm.worke
 :class:`~vtoken.integrations.vllm.worker.runner_v2.VTokenV2Adapter`, see their modules and
 docs/integration.md); this module supplies the CUDA side of their hooks:
 
-* **Moves** (:meth:`VTokenGPUWorkerCore.begin_step`): the step's ``src``/``dst`` slot ids are
-  staged in pinned host memory, copied to persistent device buffers with ``non_blocking``
-  copies, and moved in every layer by **one** launch of the stride-generic Triton kernel
-  (``vtoken.kernels.move_tokens_paged_triton``), on the current (the runner's main) stream,
+* **Moves**: the worker's decisions (``WorkerDecisions``, device tensors) plan them and
+  :meth:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore.begin_step` applies them per
+  token set through the :class:`PagedKVLayout`, on the current (the runner's main) stream,
   before the stock ``_update_states`` / ``update_requests``, so before the forward and any
   KV write of the step.
 * **Offsets** (per request, batch order) go the same way into a persistent device buffer;
@@ -17,17 +16,21 @@ docs/integration.md); this module supplies the CUDA side of their hooks:
   MRV2: attention gets a separate persistent ``seq_lens`` buffer on **every** step, offsets or
   not, so the FULL CUDA graphs capture its address (``input_batch.seq_lens`` stays logical:
   MRV2's sampler reads it, see ``runner_v2.py``).
-* **Scores**: :class:`GPUStepScores` runs the two-phase Triton scorer
+* **Scores**: for a step whose scored requests all keep one token set and need only column
+  sums or the last row, :class:`GPUStepScores` runs the two-phase Triton scorer
   (``vtoken.kernels.score_attention``) in the per-layer ``impl.forward`` wrapper, from host
   copies of the step's query start locations and physical lengths (no device sync while the
-  forward is enqueued); the results are read back once, in ``sample_tokens``.
+  forward is enqueued); any other step (per-layer or per-head sets, a window, key norms, query
+  moments) uses the runner-neutral ``StepScores``.
 * **CUDA graphs**: steps that need scores never replay a FULL graph (``cudagraphs.py``).
 
 Pinned staging buffers are double-buffered and each reuse waits for the event recorded after
 its previous copy, so a host buffer is never rewritten while its DMA may still be pending
 (async scheduling runs the host one step ahead).
 
-Nothing in this module has run on a GPU yet (README, "GPU support").
+Nothing in this module has run on a GPU yet (README, "GPU support"): vToken starts on CUDA only
+with ``VTOKEN_UNVALIDATED_PLATFORM=1`` (``frontend/platforms.py``); ``make device-check`` runs
+this path end to end on one GPU.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from vllm.v1.worker.gpu import model_runner  # Model Runner V2: model_runner.GPU
 
 from vtoken.integrations.vllm.worker import cudagraphs
 from vtoken.integrations.vllm.worker.kv_layout import PagedKVLayout, flash_attn_kv_layout
-from vtoken.integrations.vllm.payload import StepPayload
 from vtoken.integrations.vllm.worker.runner_v1 import VTokenV1Adapter
 from vtoken.integrations.vllm.worker.runner_v2 import VTokenV2Adapter
 from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
@@ -211,42 +213,20 @@ class VTokenGPUWorkerCore(VTokenWorkerCore):
         self.layout = layout
         self.host_batch = host_batch
         self._staging = PinnedStaging()
-        self._src: Optional[torch.Tensor] = None
-        self._dst: Optional[torch.Tensor] = None
-        self.moves_launched = 0  #: move launches (one per step with moves; tests)
-
-    def _move_buffers(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._src is None or self._src.shape[0] < n or self._src.device != device:
-            size = max(n, 1024, 0 if self._src is None else 2 * self._src.shape[0])
-            self._src = torch.empty(size, dtype=torch.int64, device=device)
-            self._dst = torch.empty(size, dtype=torch.int64, device=device)
-        return self._src, self._dst
-
-    def begin_step(self, payload: Optional[StepPayload], finished=(), scheduler_output=None) -> None:
-        """Moves in every layer with one Triton launch (staged copies), then the shared bookkeeping."""
-        if payload is not None and payload.num_moves:
-            from vtoken.kernels import move_tokens_paged
-
-            caches = [kv for kv, _ in self.kv_caches()]
-            if caches:
-                m = payload.num_moves
-                src_buf, dst_buf = self._move_buffers(m, caches[0].device)
-                src = self._staging.copy(src_buf, payload.src)
-                dst = self._staging.copy(dst_buf, payload.dst)
-                move_tokens_paged(caches, src, dst, debug=False)
-                self.moves_launched += 1
-            empty = np.zeros(0, dtype=np.int64)
-            payload = dataclasses.replace(payload, src=empty, dst=empty)
-        super().begin_step(payload, finished, scheduler_output)
 
     def start_scoring(self, req_ids: list[str], positions: Optional[torch.Tensor] = None) -> None:
-        """Arm a :class:`GPUStepScores` for the rows of this batch that asked for scores (batch order).
-        (``positions`` serves query moments, which need ``decide_on: worker``: refused on CUDA.)"""
+        """Arm a :class:`GPUStepScores` for the rows of this batch that asked for scores (batch
+        order) when each keeps one token set and needs only column sums or the last row; else
+        the runner-neutral scorer (:meth:`VTokenWorkerCore.start_scoring`)."""
         self.step = None
         if self.score_reqs:
             rows = [(i, r, self.score_reqs[r]) for i, r in enumerate(req_ids) if r in self.score_reqs]
-            if rows:
+            simple = AttentionNeed.COL_SUM.value | AttentionNeed.LAST_ROW.value
+            if rows and all(need & ~simple == 0 and (self.decisions is None or self.decisions.granularity(r) == "request")
+                            for _, r, need in rows):
                 self.step = GPUStepScores(rows, self.host_batch)
+            elif rows:
+                super().start_scoring(req_ids, positions)
 
     def set_layout(self, layout: PagedKVLayout) -> None:
         """Use ``layout`` from now on (vLLM records the engine's resolved layout in the worker after

@@ -11,10 +11,9 @@ Seams (patches/ entries under ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
 * ``_prepare_inputs``: after the stock method, ``seq_lens`` (and the pinned
   ``optimistic_seq_lens_cpu``) and the slot mapping become physical (``position - offset``)
   while ``positions`` stay logical. The V1 sampler reads neither buffer, so subtracting in
-  place is safe here (unlike Model Runner V2, see ``runner_v2.py``). Tokens that re-prefill a
-  resumed request's live tokens get their ids and logical positions written over
-  ``input_ids`` / ``positions`` (after the slot mapping, which used vLLM's positions).
-* ``sample_tokens``: the step's attention statistics ride on its output.
+  place is safe here (unlike Model Runner V2, see ``runner_v2.py``).
+* ``sample_tokens``: the step's attention statistics are folded into the side cache, and
+  Naive-Evict's changed freed-block counts ride on its output.
 """
 
 from __future__ import annotations
@@ -90,12 +89,6 @@ class VTokenV1Adapter:
         if off is not None:
             self._vt_physical_inputs(off, num_reqs, int(scheduler_output.total_num_scheduled_tokens),
                                      num_scheduled_tokens)
-        fix = self._vt.refill_inputs(req_ids, np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])]))
-        if fix is not None:  # resumed live tokens: their ids and logical (RoPE) positions
-            idx, pos, ids = fix
-            self.positions[idx.to(self.positions.device)] = pos.to(self.positions.device, self.positions.dtype)
-            for buf in (self.input_ids.gpu, self.input_ids.cpu):
-                buf[idx.to(buf.device)] = ids.to(buf.device, buf.dtype)
         self._vt.start_scoring(req_ids, self.positions[: int(scheduler_output.total_num_scheduled_tokens)])
         return res
 
@@ -110,7 +103,8 @@ class VTokenV1Adapter:
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
-        return self._vt.attach_scores(out, self._vt.take_scores(), self._vt.take_naive_freed())
+        self._vt.finish_step()
+        return self._vt.attach_naive_freed(out, self._vt.take_naive_freed())
 
 
 class VTokenCPUModelRunner(VTokenV1Adapter, CPUModelRunner):

@@ -12,16 +12,15 @@ Seams (patches/ entries under ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``
   of its block tables, so the payload carries the ids).
 * ``prepare_attn``: the slot mapping is computed from **physical** positions
   (``dataclasses.replace(input_batch, positions=physical)``); everything else, RoPE and the
-  sampler included, keeps the logical ``input_batch.positions``. Tokens that re-prefill a
-  resumed request's live tokens then get their ids and logical positions written over
-  ``input_batch.input_ids`` / ``positions`` in place (the forward reads them).
+  sampler included, keeps the logical ``input_batch.positions``.
 * ``model_state.prepare_attn`` (wrapped per instance in ``load_model``): attention metadata is
   built from physical ``seq_lens`` and ``seq_lens_cpu_upper_bound`` held in separate
   tensors. ``input_batch.seq_lens`` itself stays logical: Model Runner V2's
   ``combine_sampled_and_draft_tokens`` and its sampler classify a row as a chunked prefill
   when ``seq_len < prefill_len``, so a physical value there would silently drop the sampled
   token of every request whose live tokens fall below its prompt length.
-* ``sample_tokens``: the step's attention statistics ride on its output.
+* ``sample_tokens``: the step's attention statistics are folded into the side cache, and
+  Naive-Evict's changed freed-block counts ride on its output.
 """
 
 from __future__ import annotations
@@ -103,12 +102,6 @@ class VTokenV2Adapter:
         else:
             phys = self._vt_physical_positions(input_batch, off)
             res = super().prepare_attn(dataclasses.replace(input_batch, positions=phys))
-        fix = self._vt.refill_inputs(req_ids, input_batch.query_start_loc_np)
-        if fix is not None:  # resumed live tokens: ids and logical (RoPE) positions, after the slot mapping
-            idx, pos, ids = fix
-            p, t = input_batch.positions, input_batch.input_ids
-            p[idx.to(p.device)] = pos.to(p.device, p.dtype)
-            t[idx.to(t.device)] = ids.to(t.device, t.dtype)
         return res
 
     def _vt_physical_positions(self, input_batch, off: np.ndarray) -> torch.Tensor:
@@ -131,7 +124,8 @@ class VTokenV2Adapter:
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
-        return self._vt.attach_scores(out, self._vt.take_scores(), self._vt.take_naive_freed())
+        self._vt.finish_step()
+        return self._vt.attach_naive_freed(out, self._vt.take_naive_freed())
 
 
 class VTokenCPUModelRunnerV2(VTokenV2Adapter, CPUModelRunner):
