@@ -1,12 +1,12 @@
-"""The worker's eviction step under ``decide_on: worker``, alone: wall time, dispatched torch ops and
-host syncs per decode step, at R running requests.
+"""The worker's eviction step alone (the scheduler says how many, the worker says which): wall
+time, dispatched torch ops and host syncs per decode step, at R running requests.
 
 Run:  .venv/bin/python benchmarks/bench_worker_step.py [--quick] [--requests 8 64 256] [--live 2048]
           [--steps 5] [--warmup 2] [--count-steps 2] [--policy h2o] [--granularity head]
           [--layers 30] [--kv-heads 3] [--block-size 32] [--threads 1] [--device cpu]
           [--scores numpy|torch] [--out benchmarks/results/bench_worker_step.json]
 
-Why. ``docs/../shared/DESIGN.md`` section 2: the worker's step runs on the device, with no numpy,
+Why. The design (``../shared/DESIGN.md``, section 2): the worker's step runs on the device, with no numpy,
 no host sync and no Python loop over requests or token sets, from the ``SchedulerOutput`` to the
 forward and from the forward's statistics into the side cache. This benchmark counts what the
 step does per request, so that a change towards that shows in its figures, and a regression too.
@@ -74,19 +74,28 @@ What is measured, per R (``--requests``; each R in a fresh ``WorkerDecisions``):
     (``nonzero``, ``masked_select``, ``unique*``, ``repeat_interleave`` without ``output_size``,
     ``index``/``index_put`` with a boolean index, e.g. ``t[mask]``, ``t[mask] = v``).
   - ``uploads``: ``torch.from_numpy`` and ``torch.tensor``/``torch.as_tensor`` of host data
-    (lists, numpy, scalars): wrapped.
+    (lists, numpy, scalars): wrapped; ``upload_bytes`` their tensors' bytes (a host-to-device
+    copy on a GPU: ``fold``'s statistics come from the host), ``to_host_bytes`` the bytes of the
+    ``to_host`` reads.
+  - ``numpy_calls``: top-level calls of the ``numpy`` namespace's functions (``np.zeros``, ...;
+    wrapped: not ufuncs, not ndarray methods or indexing, so a per-request ``col[i] = c`` copy
+    shows in ``py_lines``, not here).
   - ``py_calls``: each wrapped Python call by name (``item``, ``tolist``, ``numpy``, ``cpu``,
     ``from_numpy``, ``tensor``, ``as_tensor``), all of them, whatever the tensor.
   - ``py_lines`` / ``py_funcs``: Python lines executed and functions called in ``vtoken/``
     during the step (``sys.settrace``): a Python loop over requests or token sets shows as a
-    slope here.
+    slope here. Each traced line is also charged the wall time until the next traced event (its
+    Python and the torch/numpy work it calls): ``line_ms`` (under tracing, so an overestimate
+    for cheap lines; the tensor-heavy lines' times are the real ones).
 
 * **call sites**: every counted event is filed under the innermost frame of
   ``vtoken/integrations/vllm/worker/decisions.py`` or ``vtoken/decider.py`` on the stack
-  (``focus``: the lines the step's own code runs), and under the innermost frame anywhere in
-  ``vtoken/`` (``inner``: select.py, the policies); ``py_lines`` per line. For each site the
-  slope per request between the smallest and the largest R, and whether the counts are linear
-  in R (``a + b R`` exactly at every R).
+  (``focus``: the lines the step's own code runs), under all of those frames (``chain``:
+  ``site < caller < ...``), and under the innermost frame anywhere in ``vtoken/`` (``inner``:
+  select.py, the policies); ``py_lines`` and ``line_ms`` per line. For each site the slope per
+  request between the smallest and the largest R, and whether the counts are linear in R
+  (``a + b R`` exactly at every R); ``sources`` gives the files' sha256 and commit the line
+  numbers belong to.
 
 * **growth**: per category, the step's count at each R, its slope per request
   ``(c(R_max) - c(R_min)) / (R_max - R_min)`` and ``flat`` (the same count at every R).
@@ -95,14 +104,15 @@ Outputs: a table on stdout (tqdm progress on stderr), the sites that grow with R
 ``benchmarks/results/bench_worker_step.json`` (or ``--out``): the command, date, torch/numpy/python
 versions, machine, load average before and after, the settings, the counter's description, per R
 the timings, counts per phase, op names, checks and call sites, and ``growth``.
-``--quick``: R = 8 and 32, 256 live tokens, 3 steps (a few seconds).
+``--quick``: R = 8 and 32, 256 live tokens, 3 steps (a few seconds). The default run takes
+about 80 s on the 2-core machine and peaks at about 4.7 GB resident (R = 256: the side cache of
+90 sets x 524,320 slots x 16 bytes, 755 MB, and the step's ``[S*R, live]`` temporaries).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import datetime as _dt
 import gc
 import json
@@ -140,7 +150,7 @@ PHASES = ("begin", "fold", "naive")
 STEP_PHASES = ("begin", "fold")
 #: the count categories (``growth`` and the tables); ``host_syncs`` is the sum of the three before it
 CATEGORIES = ("ops", "local_scalar_dense", "to_host", "data_dependent", "host_syncs", "uploads", "numpy_calls",
-              "py_lines", "py_funcs")
+              "py_lines", "py_funcs", "upload_bytes", "to_host_bytes")
 PY_CALLS = ("item", "tolist", "numpy", "cpu", "from_numpy", "tensor", "as_tensor")
 #: aten ops whose output shape depends on tensor values (a host sync on CUDA)
 DATA_DEPENDENT = {"aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2", "aten::unique_dim",
@@ -186,6 +196,18 @@ def _site(frame, prefixes: tuple[str, ...]) -> str:
     return OUTSIDE
 
 
+def _chain(frame) -> str:
+    """Every frame of decisions.py/decider.py on the stack, innermost first (``site < caller <
+    ...``), or :data:`OUTSIDE`."""
+    out = []
+    while frame is not None:
+        fn = frame.f_code.co_filename
+        if fn.startswith(FOCUS):
+            out.append(f"{os.path.relpath(fn, ROOT)}:{frame.f_code.co_name}:{frame.f_lineno}")
+        frame = frame.f_back
+    return " < ".join(out) or OUTSIDE
+
+
 class Counts:
     """What :class:`Instrument` counted in one phase: ``cats`` (category -> n, :data:`CATEGORIES`),
     ``ops_by_name`` (aten op -> n), ``py_calls`` (wrapped call -> n), ``focus`` / ``inner`` (call
@@ -197,16 +219,19 @@ class Counts:
         self.py_calls: collections.Counter = collections.Counter({c: 0 for c in PY_CALLS})
         self.focus: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.inner: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.chain: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.lines: collections.Counter = collections.Counter()
+        self.line_ns: collections.Counter = collections.Counter()
 
     def add(self, other: "Counts") -> "Counts":
         self.cats.update(other.cats)
         self.ops_by_name.update(other.ops_by_name)
         self.py_calls.update(other.py_calls)
-        for mine, theirs in ((self.focus, other.focus), (self.inner, other.inner)):
+        for mine, theirs in ((self.focus, other.focus), (self.inner, other.inner), (self.chain, other.chain)):
             for k, v in theirs.items():
                 mine[k].update(v)
         self.lines.update(other.lines)
+        self.line_ns.update(other.line_ns)
         return self
 
     def summary(self) -> dict[str, int]:
@@ -217,8 +242,9 @@ class Counts:
             return {k: {c: int(n) for c, n in sorted(v.items())} for k, v in sorted(d.items())}
         return dict(counts=self.summary(), py_calls={k: int(v) for k, v in sorted(self.py_calls.items())},
                     ops_by_name={k: int(v) for k, v in sorted(self.ops_by_name.items())},
-                    focus_sites=sites(self.focus), inner_sites=sites(self.inner),
-                    lines={k: int(v) for k, v in sorted(self.lines.items())})
+                    focus_sites=sites(self.focus), inner_sites=sites(self.inner), chain_sites=sites(self.chain),
+                    lines={k: int(v) for k, v in sorted(self.lines.items())},
+                    line_ms={k: round(v / 1e6, 4) for k, v in sorted(self.line_ns.items())})
 
 
 class Instrument(TorchDispatchMode):
@@ -240,19 +266,24 @@ class Instrument(TorchDispatchMode):
         self._py_depth = 0  # inside a wrapped Python call: its nested ops are not to_host again
         self._last_cpu: Optional[torch.Tensor] = None  # the result of a ``.cpu()`` just called
         self._np_depth = 0  # inside a wrapped numpy function
+        self._line_key: Optional[str] = None  # the vtoken/ line running now (line_ns)
+        self._line_t = 0
         self._saved: list[tuple[Any, str, Any]] = []
         self._old_trace = None
 
     # -- events
-    def _event(self, cats: Iterable[str], frame) -> None:
+    def _event(self, cats: Iterable[str], frame, weights: Optional[dict[str, int]] = None) -> None:
+        """Count ``cats`` once each (``weights``: category -> amount, e.g. bytes) at ``frame``'s sites."""
         self._last_cpu = None
         c = self.counts[self.phase]
         focus = _site(frame, FOCUS)
         inner = _site(frame, (VTOKEN_DIR,))
-        for cat in cats:
-            c.cats[cat] += 1
-            c.focus[focus][cat] += 1
-            c.inner[inner][cat] += 1
+        chain = _chain(frame)
+        for cat, n in [(cat, 1) for cat in cats] + list((weights or {}).items()):
+            c.cats[cat] += n
+            c.focus[focus][cat] += n
+            c.inner[inner][cat] += n
+            c.chain[chain][cat] += n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -305,9 +336,11 @@ class Instrument(TorchDispatchMode):
                     cats = ["py:" + name]
                     # on the host already: made there, or ``.cpu()``'s result (on CPU that is the
                     # same object, so only the call right after the ``.cpu()`` is let through)
+                    weights = None
                     if not (getattr(t, "_vt_host", False) or inst._last_cpu is t):
                         cats += ["to_host", "host_syncs"]
-                    inst._event(cats, frame)
+                        weights = {"to_host_bytes": t.numel() * t.element_size()}
+                    inst._event(cats, frame, weights)
                     inst._py_depth += 1
                     try:
                         out = orig(t, *a, **k)
@@ -332,8 +365,10 @@ class Instrument(TorchDispatchMode):
                 def wrapper(data, *a, **k):
                     host = not isinstance(data, torch.Tensor)
                     cats = ["py:" + name] + (["uploads"] if host else [])
-                    inst._event(cats, sys._getframe(1))
                     out = orig(data, *a, **k)
+                    weights = {"upload_bytes": out.numel() * out.element_size()} if host and isinstance(
+                        out, torch.Tensor) else None
+                    inst._event(cats, sys._getframe(1), weights)
                     if host and isinstance(out, torch.Tensor) and (name == "from_numpy" or k.get("device") is None):
                         out._vt_host = True  # host data on the host: its .numpy() reads nothing
                     return out
@@ -369,18 +404,38 @@ class Instrument(TorchDispatchMode):
                 setattr(owner, attr, orig)
 
     # -- line tracing
+    # Each vtoken/ line is also charged the wall time until the next traced event (its own
+    # Python, and the torch and numpy work it calls outside vtoken/): ``line_ns``, under tracing.
+    def _charge(self) -> None:
+        now = time.perf_counter_ns()
+        if self._line_key is not None:
+            self.counts[self.phase].line_ns[self._line_key] += now - self._line_t
+        self._line_t = now
+
+    @staticmethod
+    def _line_site(frame) -> str:
+        return f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_code.co_name}:{frame.f_lineno}"
+
     def _trace_call(self, frame, event, arg):
         if event != "call" or not frame.f_code.co_filename.startswith(VTOKEN_DIR):
             return None
-        c = self.counts[self.phase]
-        c.cats["py_funcs"] += 1
+        self._charge()
+        self._line_key = None
+        self.counts[self.phase].cats["py_funcs"] += 1
         return self._trace_line
 
     def _trace_line(self, frame, event, arg):
         if event == "line":
+            self._charge()
             c = self.counts[self.phase]
             c.cats["py_lines"] += 1
-            c.lines[f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_code.co_name}:{frame.f_lineno}"] += 1
+            self._line_key = self._line_site(frame)
+            c.lines[self._line_key] += 1
+        elif event == "return":
+            self._charge()
+            back = frame.f_back
+            self._line_key = (self._line_site(back) if back is not None
+                              and back.f_code.co_filename.startswith(VTOKEN_DIR) else None)
         return self._trace_line
 
     def __enter__(self):
@@ -463,7 +518,8 @@ class WorkerStepBench:
         need = self.policy.needs
         self.want_col = bool(need & AttentionNeed.COL_SUM)
         self.want_last = bool(need & AttentionNeed.LAST_ROW)
-        shape = (self.R, self.S, live) if self.S > 1 else (self.R, live)
+        # (StepScores.result: [S, live] for a request with token sets, [live] at granularity request)
+        shape = (self.R, live) if self.spec.granularity == "request" else (self.R, self.S, live)
         self.stats = {}
         if self.want_col:
             self.stats["col"] = rng.random(shape)
@@ -483,7 +539,8 @@ class WorkerStepBench:
             torch.cuda.synchronize(self.device)
 
     def scores(self) -> Optional[dict]:
-        """One step's ``ScoreMap``: req_id -> (col_sum or None, last_row or None), ``[S, live]``."""
+        """One step's ``ScoreMap``: req_id -> (col_sum or None, last_row or None), ``[S, live]``
+        (``[live]`` at granularity ``request``)."""
         if not self.stats:
             return None
         col, last = self.stats.get("col"), self.stats.get("last")
@@ -507,7 +564,6 @@ class WorkerStepBench:
         (active), its :attr:`Instrument.phase` is set per phase. Checked afterwards."""
         so, payload, scores = self.inputs()
         dead0 = self._dead()
-        gc_was = gc.isenabled()
         t = [0] * 4
         if inst is not None:
             inst.phase = "begin"
@@ -527,7 +583,6 @@ class WorkerStepBench:
         t[3] = time.perf_counter_ns()
         if inst is not None:
             inst.phase = "outside"
-        assert gc.isenabled() == gc_was
         self.steps += 1
         self.check(moves, dead0)
         return {"begin": (t[1] - t[0]) / 1e6, "fold": (t[2] - t[1]) / 1e6, "naive": (t[3] - t[2]) / 1e6}
@@ -614,7 +669,7 @@ def site_growth(per_r: dict[int, dict[str, dict[str, int]]], cat: str, with_sour
             continue
         row = dict(site=s, per_R=g["per_R"], per_request=g["slope_per_request"], linear=g["linear"])
         if with_source and s != OUTSIDE:
-            path, _, line = s.rsplit(":", 2)
+            path, _, line = s.split(" < ")[0].rsplit(":", 2)
             row["source"] = linecache.getline(str(ROOT / path), int(line)).strip()
         out.append(row)
     return sorted(out, key=lambda r: (-abs(r["per_request"]), r["site"]))
@@ -717,6 +772,13 @@ def _document(args, rows, load_before, load_after, elapsed, malloc) -> dict[str,
             py_lines=site_growth(lines, "py_lines"), naive_ops_focus=site_growth(naive, "ops"),
             naive_py_lines=site_growth({R: {k: {"py_lines": v} for k, v in r["detail"]["naive"]["lines"].items()}
                                         for R, r in by_r.items()}, "py_lines"),
+            upload_bytes_focus=site_growth(focus, "upload_bytes"),
+            upload_bytes_chain=site_growth({R: r["detail"]["step"]["chain_sites"] for R, r in by_r.items()},
+                                           "upload_bytes"),
+            to_host_bytes_focus=site_growth(focus, "to_host_bytes"),
+            # wall time per vtoken/ line in the (traced) counted step: the 30 fastest-growing
+            line_ms=site_growth({R: {k: {"ms": v} for k, v in r["detail"]["step"]["line_ms"].items()}
+                                 for R, r in by_r.items()}, "ms")[:30],
         )
     return dict(
         bench="bench_worker_step",
@@ -772,12 +834,14 @@ def _row_line(r: dict[str, Any]) -> str:
     c, ms = r["counts"]["step"], r["ms"]
     return (f"| {r['R']:>4} | {ms['step']['median']:>9.2f} | {ms['begin']['median']:>9.2f} | {ms['fold']['median']:>9.2f} "
             f"| {c['ops']:>5} | {c['local_scalar_dense']:>4} | {c['to_host']:>4} | {c['data_dependent']:>4} "
-            f"| {c['host_syncs']:>5} | {c['uploads']:>4} | {c['numpy_calls']:>4} | {c['py_lines']:>6} | {ms['naive']['median']:>8.2f} "
+            f"| {c['host_syncs']:>5} | {c['uploads']:>4} | {c['upload_bytes'] / 2**20:>9.3f} | {c['numpy_calls']:>4} "
+            f"| {c['py_lines']:>6} | {ms['naive']['median']:>8.2f} "
             f"| {r['counts']['naive']['ops']:>4} | {r['counts']['naive']['host_syncs']:>4} |")
 
 
 HEADER = ("|    R |   step ms |  begin ms |   fold ms |   ops |  lsd | to_host | data-dep | syncs | uploads "
-          "| np calls | py lines | naive ms | naive ops | naive syncs |")
+          "| upload MiB | np calls | py lines | naive ms | naive ops | naive syncs |")
+RULE = "|" + "---|" * 16
 
 
 def print_report(doc: dict[str, Any], top: int = 25) -> None:
@@ -787,7 +851,7 @@ def print_report(doc: dict[str, Any], top: int = 25) -> None:
           f"median of {s['steps']} steps; counts: one step (begin + fold); load {doc['loadavg_before']} -> "
           f"{doc['loadavg_after']}")
     print(HEADER)
-    print("|" + "---|" * 15)
+    print(RULE)
     for r in doc["rows"]:
         print(_row_line(r))
     print("\ngrowth per request (step):")
@@ -798,6 +862,7 @@ def print_report(doc: dict[str, Any], top: int = 25) -> None:
     for key, title in (("ops_focus", "ops per request by call site in decisions.py/decider.py"),
                        ("host_syncs_focus", "host syncs per request by call site"),
                        ("uploads_focus", "uploads per request by call site"),
+                       ("upload_bytes_focus", "upload bytes per request by call site"),
                        ("ops_inner", "ops per request by innermost vtoken/ frame"),
                        ("py_lines", "Python lines per request (vtoken/)"),
                        ("naive_ops_focus", "take_naive_freed: ops per request"),
@@ -806,6 +871,13 @@ def print_report(doc: dict[str, Any], top: int = 25) -> None:
         print(f"\n{title}: {len(rows)} sites grow" + (":" if rows else ""))
         for x in rows[:top]:
             print(f"  {x['per_request']:+8.3f}/req  {x['site']:<62} {x.get('source', '')[:90]}")
+    rmax = max(doc["rows"], key=lambda r: r["R"])
+    slow = sorted(rmax["detail"]["step"]["line_ms"].items(), key=lambda kv: -kv[1])[:15]
+    print(f"\nwall time by vtoken/ line at R={rmax['R']} (the traced counted step, "
+          f"{sum(rmax['detail']['step']['line_ms'].values()):.0f} ms in vtoken/ lines):")
+    for site, ms in slow:
+        path, _, line = site.rsplit(":", 2)
+        print(f"  {ms:9.1f} ms  {site:<62} {linecache.getline(str(ROOT / path), int(line)).strip()[:90]}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -841,7 +913,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     print(HEADER)
-    print("|" + "---|" * 15, flush=True)
+    print(RULE, flush=True)
     doc = run(args)
     print_report(doc)
     if args.out:

@@ -1,8 +1,9 @@
 """Harness hooks for ``test_engine_preempt.py`` (loaded in the harness process): measure, from
 vLLM's KV manager, the blocks a preempted request holds right after the step that resumed it.
 
-Output key ``resumes``: per resume, ``{"req", "step", "blocks", "num_tokens"}`` (engine step of
-the group, blocks held in the full-attention manager, the request's logical token count);
+Output key ``resumes``: per resume, ``{"req", "step", "blocks", "num_tokens", "scheduled"}`` (engine
+step of the group, blocks held in the full-attention manager, the request's logical token count,
+the tokens vLLM scheduled for it in the resume step: ``SchedulerOutput.num_scheduled_tokens``);
 ``preempted_steps``: request id -> engine steps at which vLLM preempted it; ``finished_at``:
 request id -> the engine step after which it had finished.
 """
@@ -28,6 +29,15 @@ class PreemptProbe(RunHooks):
             return orig(request, *a, **k)
 
         sched._preempt_request = _preempt_request
+        self.scheduled: dict[str, int] = {}
+        orig_schedule = sched.schedule
+
+        def schedule(*a, **k):
+            out = orig_schedule(*a, **k)
+            self.scheduled = dict(out.num_scheduled_tokens)
+            return out
+
+        sched.schedule = schedule
 
     def before_step(self, run) -> None:
         self.step = run.step
@@ -41,7 +51,8 @@ class PreemptProbe(RunHooks):
             req = running.get(rid)
             blocks = len(mgr.req_to_blocks.get(rid, ()))
             if req is not None and blocks:
-                self.resumes.append(dict(req=rid, step=run.step, blocks=blocks, num_tokens=req.num_tokens))
+                self.resumes.append(dict(req=rid, step=run.step, blocks=blocks, num_tokens=req.num_tokens,
+                                         scheduled=self.scheduled.get(rid, 0)))
                 self.pending.discard(rid)
 
     def group_done(self, run) -> dict:

@@ -51,8 +51,9 @@ def test_the_counters_count_a_known_sequence():
     assert dict(c.ops_by_name) == {"aten::arange": 1, "aten::gt": 1, "aten::index": 1, "aten::sum": 1,
                                    "aten::_local_scalar_dense": 2, "aten::lift_fresh": 2, "aten::detach": 2,
                                    "aten::select": 1}
+    # uploads: 2 int64 + 2 float64; reads: a's 8 int64 by tolist and by cpu
     assert c.summary() == dict(ops=11, local_scalar_dense=2, to_host=2, data_dependent=1, host_syncs=5, uploads=2,
-                               numpy_calls=2, py_lines=0, py_funcs=0)
+                               numpy_calls=2, py_lines=0, py_funcs=0, upload_bytes=32, to_host_bytes=128)
     assert dict(c.py_calls) == dict(item=1, tolist=1, numpy=2, cpu=1, from_numpy=1, tensor=1, as_tensor=0)
     # everything was called from here, outside vtoken/
     assert set(c.focus) == set(c.inner) == {bw.OUTSIDE}
@@ -76,6 +77,9 @@ def test_events_are_filed_under_their_vtoken_call_site():
     assert dict(c.ops_by_name) == {"aten::index": 1, "aten::eq": 1, "aten::sum": 1}
     assert {k: v["ops"] for k, v in c.focus.items()} == {
         f"vtoken/decider.py:dead_blocks:{dead_line}": 2, f"vtoken/decider.py:naive_freed_blocks:{freed_line}": 1}
+    assert {k: v["ops"] for k, v in c.chain.items()} == {  # the callers too, innermost first
+        f"vtoken/decider.py:dead_blocks:{dead_line} < vtoken/decider.py:naive_freed_blocks:{freed_line}": 2,
+        f"vtoken/decider.py:naive_freed_blocks:{freed_line}": 1}
     assert c.summary()["data_dependent"] == 0  # an integer index is not a boolean one
     ev = [f"vtoken/protocol.py:evictable:{_line_of(evictable, s)}" for s in ("p =", "return")]
     assert c.lines[ev[0]] == c.lines[ev[1]] == 1

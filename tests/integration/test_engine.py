@@ -22,7 +22,7 @@ from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import parse_config, parse_request_overrides
 from drivers.harness import run_in_subprocess
 
-from execution_paths import EXPECTED, PATHS, SCORE_LAG, path_env
+from execution_paths import EXPECTED, PATHS, path_env
 
 pytestmark = pytest.mark.engine
 

@@ -74,6 +74,12 @@ class StepPayload:
             worker starts its token table empty (counting this step's tokens).
         evict: req_id -> ``k``, the tokens to evict before this step's forward; the worker
             picks which (:mod:`vtoken.decider`) and moves K/V and policy state itself.
+        suspend: requests vLLM preempted in this step whose state the scheduler keeps (``mode:
+            vtoken``): after this step's eviction of them (``evict``), the worker saves their live
+            K/V and side-cache state (their blocks are back in the pool) and restores both into
+            the blocks vLLM gives them when it resumes them (``scheduled_cached_reqs.
+            resumed_req_ids``), before that step's forward: nothing is recomputed, and the
+            tokens equal a run without the preemption. Other preempted requests start again.
         unshare: prefix caching, a request's first eviction: req_id -> ``[(block index, old
             block id, new block id), ...]``: the hashed or shared blocks it may write from now on
             (docs/integration.md, "Prefix caching"). The worker copies each old block into the
@@ -88,13 +94,16 @@ class StepPayload:
     states: dict[str, WorkerSpec] = field(default_factory=dict)
     evict: dict[str, int] = field(default_factory=dict)
     unshare: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    suspend: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.truncate or self.offsets or self.scores or self.states or self.evict or self.unshare)
+        return not (self.truncate or self.offsets or self.scores or self.states or self.evict or self.unshare
+                    or self.suspend)
 
     def __repr__(self) -> str:  # counts only, never token data
         return (
             f"StepPayload(truncate={len(self.truncate)}, "
             f"offsets={len(self.offsets)}, scores={len(self.scores)}, "
-            f"states={len(self.states)}, evict={len(self.evict)}, unshare={len(self.unshare)})"
+            f"states={len(self.states)}, evict={len(self.evict)}, unshare={len(self.unshare)}, "
+            f"suspend={len(self.suspend)})"
         )

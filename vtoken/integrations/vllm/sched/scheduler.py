@@ -101,6 +101,10 @@ class VTokenSchedulerMixin:
         self._vt_gauges_at = float("-inf")
         #: requests the stock schedule() preempted in this step (their evictions are dropped)
         self._vt_preempted_now: set[str] = set()
+        #: preempted requests whose state is kept (mode vtoken), until vLLM resumes them; and
+        #: those preempted in this schedule() (announced to the worker: payload.suspend)
+        self._vt_suspended: dict[str, RequestState] = {}
+        self._vt_suspended_now: set[str] = set()
         #: prefix caching: tail blocks vToken returned to the pool in this schedule() (this step's
         #: moves may still read them, so a copy of a cached block never goes to one)
         self._vt_released_now: list = []
@@ -370,6 +374,8 @@ class VTokenSchedulerMixin:
 
         if self._vt_preempted_now:
             self._vt_collect_counts(payload)
+        if self._vt_suspended:
+            self._vt_resume(out.num_scheduled_tokens)
         self._vt_after_scheduled_counts(out.num_scheduled_tokens, payload)
         if self._vt_hit_copies:
             self._vt_apply_hit_copies(out, payload)
@@ -665,16 +671,36 @@ class VTokenSchedulerMixin:
                               for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
             self._vt_new_states = {}
 
+    def _vt_resume(self, scheduled: dict[str, int]) -> None:
+        """Kept states whose request vLLM resumed in this step: their offset goes to the worker
+        again (a runner forgets a preempted request's); the worker restores their K/V and
+        policy state before the forward (``WorkerDecisions``, resumed requests)."""
+        for rid in [r for r in self._vt_suspended if r in scheduled]:
+            st = self._vt_suspended.pop(rid)
+            if st.table.offset:
+                self._vt_offset_updates[rid] = st.table.offset
+
     def _vt_collect_counts(self, payload: StepPayload) -> None:
-        """Drop the eviction of a request that the stock ``schedule()``
-        preempted after it was planned (its blocks are back in the pool; its state was dropped
-        and it restarts from its prompt, so the worker must not touch its old slots)."""
+        """Requests the stock ``schedule()`` preempted after this step's eviction was planned.
+
+        A kept state (``mode: vtoken``, :meth:`_free_request_blocks`) keeps its eviction: the
+        worker applies it in the request's old blocks (every such write comes before any write
+        of the step) and then saves the live K/V and side-cache state (``payload.suspend``), so
+        the eviction the scheduler counted is the one that happened. A dropped state restarts
+        from its prompt: its eviction, truncation and copies are dropped (the worker must not
+        touch its old slots)."""
         for rid in self._vt_preempted_now:
+            if rid in self._vt_suspended_now:
+                payload.suspend.append(rid)
+                payload.truncate.pop(rid, None)  # (the worker forgets its blocks when it saves them)
+                payload.kept_blocks.pop(rid, None)
+                continue
             self.vt_stats.moves_dropped_preempted += payload.evict.pop(rid, 0)
             payload.truncate.pop(rid, None)
             payload.kept_blocks.pop(rid, None)
             payload.unshare.pop(rid, None)
         self._vt_preempted_now.clear()
+        self._vt_suspended_now.clear()
 
     def _vt_ready_to_evict(self, rid: str, st: RequestState, live_after: int, payload: StepPayload) -> bool:
         """Prefix caching: before a request's first eviction, copy the cached blocks it may write.
@@ -908,7 +934,17 @@ class VTokenSchedulerMixin:
         rid = request.request_id
         st = self._vt_states.get(rid)
         super()._free_request_blocks(request)
+        if st is not None and not request.is_finished() and st.cfg.mode == "vtoken":
+            # Preempted: keep the state; the worker saves the live K/V and policy state and
+            # restores them at the resume (payload.suspend), which recomputes nothing
+            # (_preempt_request: num_computed_tokens = the logical tokens).
+            self._vt_suspended[rid] = st
+            self._vt_suspended_now.add(rid)
+            self._vt_cols.data[C.HELD, st.row] = 0
+            self.vt_stats.preemption_resets += 1
+            return
         st = self._vt_states.pop(rid, None)
+        self._vt_suspended.pop(rid, None)
         # a dropped state restarts from its prompt, clean: vLLM hashes its blocks again as they fill
         self._vt_accounting.cache_cap.pop(rid, None)
         if st is not None:
@@ -928,10 +964,20 @@ class VTokenSchedulerMixin:
             self._vt_accounting.admission_cap.pop(rid, None)
 
     def _preempt_request(self, request, *args, **kwargs):
-        """vLLM's preemption; the request's eviction planned in this step is dropped
-        (:meth:`_vt_collect_counts`)."""
+        """vLLM's preemption, then: a request whose state was kept resumes at its logical length.
+
+        Its ``num_computed_tokens`` becomes its logical token count (vLLM reset it to 0): every
+        token with KV counts as done, since the worker restores the live tokens' K/V; at the
+        resume vLLM schedules only the tokens that have none yet (the last sampled one), the KV
+        manager allocates blocks for ``live`` plus those (:class:`BlockAccounting`), and no
+        prefix-cache lookup is made (vLLM looks up only requests with ``num_computed_tokens ==
+        0``). A dropped state (``mode: naive``) starts again from its prompt, as stock."""
         super()._preempt_request(request, *args, **kwargs)
-        self._vt_preempted_now.add(request.request_id)
+        rid = request.request_id
+        self._vt_preempted_now.add(rid)
+        st = self._vt_suspended.get(rid)
+        if st is not None:
+            request.num_computed_tokens = st.table.num_logical
 
     def _vt_record_finished(self, rid: str, st: RequestState) -> None:
         if len(self.vt_finished) >= 100_000:

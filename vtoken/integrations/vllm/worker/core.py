@@ -82,6 +82,10 @@ class VTokenWorkerCore:
         self.test_dir = os.environ.get("VTOKEN_TEST_WORKER_DIR") or None
         #: the decisions (made on the first payload that announces a request state)
         self.decisions: Optional[WorkerDecisions] = None
+        #: preempted requests whose state is kept: req_id -> every layer's K/V blocks holding its
+        #: live tokens (host memory, ``[cdiv(live, B), H, B, 2*hd]`` per layer), restored at the resume
+        self._saved_kv: dict[str, list[torch.Tensor]] = {}
+        self.suspended_requests = 0  #: preemptions whose K/V was saved (tests)
         #: prefix caching: cached blocks copied into private ones (:meth:`copy_blocks`)
         self.copied_blocks = 0
         #: the model's RoPE (:meth:`find_rope`): ``(cos_sin [max_position, D], a, b)``, or None
@@ -208,6 +212,14 @@ class VTokenWorkerCore:
         if self.decisions is not None and scheduler_output is not None:
             for gran, src, dst, sets in self.decisions.begin(scheduler_output, payload):
                 self._apply_set_moves(gran, src, dst, sets)
+            # preempted (after its eviction's moves) and resumed requests' K/V, in that order: a
+            # block one leaves may be the block another resumes into in this very step
+            for rid, ids in self.decisions.suspending:
+                self._saved_kv[rid] = [self._to_host(kv.index_select(0, ids.to(kv.device))) for kv, _ in self.kv_caches()]
+            for rid, ids in self.decisions.resuming:
+                for (kv, _), saved in zip(self.kv_caches(), self._saved_kv.pop(rid)):
+                    kv[ids.to(kv.device)] = saved.to(kv.device, non_blocking=True)
+            self.suspended_requests += len(self.decisions.suspending)
         if payload is not None:
             for rid, off in payload.offsets.items():
                 if off:
@@ -218,6 +230,17 @@ class VTokenWorkerCore:
         else:
             self.score_reqs = {}
         self.forget(finished)
+        for rid in finished:
+            self._saved_kv.pop(rid, None)
+
+    @staticmethod
+    def _to_host(t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (pinned and without a host sync for a CUDA tensor)."""
+        if t.device.type == "cpu":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
 
     def copy_blocks(self, unshare: dict[str, list[tuple[int, int, int]]]) -> None:
         """Prefix caching, a request's first eviction (``StepPayload.unshare``): copy each cached

@@ -221,6 +221,12 @@ class WorkerDecisions:
         #: no token never samples, so its entries wait for the next): (group, rows, request
         #: ids, rows as a tensor), whose Naive-Evict counts :meth:`take_naive_freed` reads
         self._naive: list[tuple[_Group, list[int], list[str], torch.Tensor]] = []
+        #: preempted requests whose state is kept: req_id -> (blocks saved, side-cache fields of
+        #: those blocks' slots, name -> ``[S, blocks * B, *lead]``); their K/V is saved by the caller
+        self.suspended: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        #: this step's ``(req_id, block ids)`` to save (:meth:`_suspend`) and to restore (:meth:`_resume`)
+        self.suspending: list[tuple[str, torch.Tensor]] = []
+        self.resuming: list[tuple[str, torch.Tensor]] = []
 
     @staticmethod
     def _key(spec: WorkerSpec) -> str:
@@ -240,7 +246,47 @@ class WorkerDecisions:
         """Side-cache bytes per KV slot over every policy group so far."""
         return sum(g.dec.side.bytes_per_token for g in self.groups.values())
 
+    def _suspend(self, rids: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """Preempted requests whose state the scheduler keeps (``StepPayload.suspend``), after this
+        step's eviction: save each one's side-cache state of the blocks holding its live slots
+        (``cdiv(live, B)``, every set) and forget its blocks. Returns ``(req_id, block ids)``
+        (int64 ``[cdiv(live, B)]``) whose K/V the caller saves (:meth:`VTokenWorkerCore.begin_step`),
+        before any write of the step. One host read of the live count per preemption."""
+        out = []
+        for rid in rids:
+            got = self.where.get(rid)
+            if got is None:
+                continue
+            g, row, _ = got
+            bs = self.block_size
+            nb = -(-int(g.dec.live[row]) // bs)
+            ids = torch.from_numpy(g.bt[row, :nb].copy()).to(g.dec.live.device)
+            slots = (ids[:, None] * bs + torch.arange(bs, device=ids.device)).reshape(-1)
+            self.suspended[rid] = (nb, {k: t.index_select(1, slots) for k, t in g.dec.side.fields.items()})
+            g.nblocks[row] = 0
+            out.append((rid, ids))
+        return out
+
+    def _resume(self, rid: str) -> tuple[str, torch.Tensor]:
+        """A suspended request vLLM resumed in this step (its new block ids already taken): its
+        saved side-cache state goes into its first blocks. Returns ``(req_id, block ids)`` whose
+        K/V the caller restores before the forward. The blocks are its own now (a resume makes
+        no prefix-cache lookup), so none of its slots is read-only any more."""
+        nb, side = self.suspended.pop(rid)
+        g, row, _ = self.where[rid]
+        if int(g.nblocks[row]) < nb:
+            raise RuntimeError(f"vToken: request {rid} resumed with {int(g.nblocks[row])} blocks; its live tokens "
+                               f"need {nb}")
+        bs = self.block_size
+        ids = torch.from_numpy(g.bt[row, :nb].copy()).to(g.dec.live.device)
+        slots = (ids[:, None] * bs + torch.arange(bs, device=ids.device)).reshape(-1)
+        for k, v in side.items():
+            g.dec.side.fields[k].index_copy_(1, slots, v)
+        g.dec.shared[row] = 0
+        return rid, ids
+
     def _drop(self, rid: str) -> None:
+        self.suspended.pop(rid, None)
         got = self.where.pop(rid, None)
         if got is not None:
             got[0].free.append(got[1])
@@ -253,12 +299,14 @@ class WorkerDecisions:
             slot ids of the K/V moves and the token set of each (``docs/granularity.md``: which
             layers and KV heads a set's moves apply to).
         """
-        for rid in scheduler_output.finished_req_ids:
-            self._drop(rid)
-        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            self._drop(rid)
         if payload is None:
             payload = StepPayload()
+        for rid in scheduler_output.finished_req_ids:
+            self._drop(rid)
+        keep = set(payload.suspend)
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if rid not in keep:
+                self._drop(rid)
         for rid, spec in payload.states.items():
             self._drop(rid)
             key = self._key(spec)
@@ -285,11 +333,17 @@ class WorkerDecisions:
             if got is not None:
                 got[0].put_blocks(got[1], [(i, new) for i, _, new in entries])
         moves = self._evict(payload.evict) if payload.evict else []
+        self.suspending = self._suspend(payload.suspend) if payload.suspend else []
         for rid, keep in payload.truncate.items():
             got = self.where.get(rid)
             if got is not None:
                 got[0].nblocks[got[1]] = min(keep, int(got[0].nblocks[got[1]]))
         self._take_block_ids(scheduler_output)
+        self.resuming = []
+        if self.suspended:  # (Model Runner V2 gets a resumed request as a new one, V1 as a cached one)
+            resumed = [nr.req_id for nr in scheduler_output.scheduled_new_reqs]
+            resumed += scheduler_output.scheduled_cached_reqs.resumed_req_ids
+            self.resuming = [self._resume(rid) for rid in resumed if rid in self.suspended]
         counts = dict(scheduler_output.num_scheduled_tokens)
         for rid, spec in payload.states.items():  # a prefix-cache hit: its cached tokens first
             if spec.cached_tokens:
