@@ -13,11 +13,11 @@ name                                kind     meaning
 ``vtoken:dense_blocks``             gauge    sum over requests of ``ceil(live / block_size)``
 ``vtoken:evicting_requests``        gauge    requests that have evicted at least one token
 ``vtoken:evicted_tokens_total``     counter  tokens evicted
-``vtoken:moved_tokens_total``       counter  token moves (holes filled from the tail)
+``vtoken:moved_tokens_total``       counter  token moves (holes filled from the tail; every token set)
 ``vtoken:freed_blocks_total``       counter  tail blocks returned to the block pool
 ``vtoken:evictions_total``          counter  eviction events (one per request and step)
-``vtoken:repack_seconds_total``     counter  scheduler time spent choosing victims and planning
-``vtoken:preemption_resets_total``  counter  vLLM preempted a vToken request (resumed with its live tokens)
+``vtoken:repack_seconds_total``     counter  time spent on eviction (scheduler counts, worker selects and moves)
+``vtoken:preemption_resets_total``  counter  vLLM preempted a vToken request (resumed with its saved K/V)
 ``vtoken:request_faults_total``     counter  requests whose eviction was turned off by a fault confined to them
 ``vtoken:tokens_above_budget``      gauge    pressure pacing: live tokens kept above budget
 ``vtoken:pressure_events_total``    counter  pressure pacing: steps where the pool was short
@@ -78,8 +78,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "vtoken:logical_tokens": ("logical_tokens", "Logical tokens (ever seen) of the requests vToken tracks."),
     "vtoken:retained_blocks": ("retained_blocks", "KV-cache blocks held by the requests vToken tracks."),
     "vtoken:naive_retained_blocks": (
-        "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions (under "
-        "decide_on: worker from the worker's dead-block counts, one step late, two under async scheduling)."),
+        "naive_retained_blocks", "KV-cache blocks Naive-Evict would hold for the same eviction decisions (from the "
+        "worker's dead-block counts, one step late, two under async scheduling)."),
     "vtoken:dense_blocks": ("dense_blocks", "Sum over tracked requests of ceil(live_tokens / block_size)."),
     "vtoken:evicting_requests": ("num_evicting_requests", "Tracked requests that have evicted at least one token."),
     "vtoken:tokens_above_budget": ("tokens_above_budget",
@@ -88,15 +88,16 @@ GAUGES: dict[str, tuple[str, str]] = {
 #: counter name (prometheus_client appends ``_total``) -> (VTokenStats field, help)
 COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:evicted_tokens": ("evicted_tokens", "Tokens evicted from the KV cache."),
-    "vtoken:moved_tokens": ("moved_tokens", "Token moves planned to fill holes from the tail (0 under decide_on: worker, "
-                                        "where the worker plans them)."),
+    "vtoken:moved_tokens": ("moved_tokens", "Token moves that filled holes from the tail, one per token and token set "
+                                        "(counted by the worker of rank 0)."),
     "vtoken:freed_blocks": ("freed_blocks", "Tail KV-cache blocks returned to the block pool."),
     "vtoken:evictions": ("evictions", "Eviction events (one per request and step)."),
-    "vtoken:repack_seconds": ("repack_seconds", "Scheduler seconds spent selecting victims and planning moves (under decide_on: "
-                                            "worker: only counting how many; the worker selects)."),
-    "vtoken:preemption_resets": ("preemption_resets", "Preemptions of vToken requests (a decoding request under mode vtoken "
-                                                        "and decide_on scheduler resumes with its live tokens only; "
-                                                        "otherwise its state is dropped and it restarts from its prompt)."),
+    "vtoken:repack_seconds": ("repack_seconds", "Seconds spent on eviction: the scheduler counting how many tokens each "
+                                            "request evicts, plus the worker (rank 0) selecting victims, planning and "
+                                            "applying the moves."),
+    "vtoken:preemption_resets": ("preemption_resets", "Preemptions of vToken requests (under mode vtoken the worker keeps "
+                                                        "its live K/V and policy state and restores them at the resume; "
+                                                        "under mode naive it restarts from its prompt)."),
     "vtoken:pressure_events": ("pressure_events",
                                "Pressure pacing: steps where a step's block demand plus the watermark exceeded the free blocks."),
     "vtoken:pressure_evictions": ("pressure_evictions", "Pressure pacing: eviction events decided under pressure."),

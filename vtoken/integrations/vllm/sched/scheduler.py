@@ -743,9 +743,6 @@ class VTokenSchedulerMixin:
         if entries:
             payload.unshare[rid] = entries
             payload.kept_blocks[rid] = [b.block_id for b in blocks]
-            if self._vt_check:
-                for i, _, new in entries:
-                    self._vt_move_owners[new] = (rid, i, st.protected, st.clean_len)
         self._vt_accounting.cache_cap[rid] = lo * bs
         return True
 
@@ -891,6 +888,10 @@ class VTokenSchedulerMixin:
 
     # ------------------------------------------------------------------ feedback
     def update_from_output(self, scheduler_output, model_runner_output):
+        rep = getattr(model_runner_output, "vtoken_worker", None)
+        if rep:  # the worker's moves and selection time (metrics)
+            self.vt_stats.moved_tokens += rep["moved"]
+            self.vt_stats.repack_seconds += rep["seconds"]
         naive = getattr(model_runner_output, "vtoken_naive_freed", None)
         if naive:
             self._vt_take_naive_freed(naive, getattr(scheduler_output, "vtoken_step", -1))

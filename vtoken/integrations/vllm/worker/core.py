@@ -86,6 +86,9 @@ class VTokenWorkerCore:
         #: live tokens (host memory, ``[cdiv(live, B), H, B, 2*hd]`` per layer), restored at the resume
         self._saved_kv: dict[str, list[torch.Tensor]] = {}
         self.suspended_requests = 0  #: preemptions whose K/V was saved (tests)
+        #: since the last output: token moves (every set) and seconds spent selecting and moving
+        #: (``vtoken:moved_tokens_total``, ``vtoken:repack_seconds_total``; :meth:`attach_naive_freed`)
+        self.report = {"moved": 0, "seconds": 0.0}
         #: prefix caching: cached blocks copied into private ones (:meth:`copy_blocks`)
         self.copied_blocks = 0
         #: the model's RoPE (:meth:`find_rope`): ``(cos_sin [max_position, D], a, b)``, or None
@@ -210,8 +213,10 @@ class VTokenWorkerCore:
         if payload is not None and payload.unshare:
             self.copy_blocks(payload.unshare)
         if self.decisions is not None and scheduler_output is not None:
+            t0 = time.perf_counter()
             for gran, src, dst, sets in self.decisions.begin(scheduler_output, payload):
                 self._apply_set_moves(gran, src, dst, sets)
+                self.report["moved"] += src.numel()  # (a host-known size: plan_moves made it)
             # preempted (after its eviction's moves) and resumed requests' K/V, in that order: a
             # block one leaves may be the block another resumes into in this very step
             for rid, ids in self.decisions.suspending:
@@ -220,6 +225,7 @@ class VTokenWorkerCore:
                 for (kv, _), saved in zip(self.kv_caches(), self._saved_kv.pop(rid)):
                     kv[ids.to(kv.device)] = saved.to(kv.device, non_blocking=True)
             self.suspended_requests += len(self.decisions.suspending)
+            self.report["seconds"] += time.perf_counter() - t0
         if payload is not None:
             for rid, off in payload.offsets.items():
                 if off:
@@ -607,18 +613,19 @@ class VTokenWorkerCore:
         safe = req_id.replace("/", "_")
         np.save(os.path.join(self.test_dir, f"kv-rank{self._rank()}-{safe}.npy"), torch.stack(ks).numpy())
 
-    @staticmethod
-    def attach_naive_freed(out, naive_freed: Optional[dict[str, int]]):
+    def attach_naive_freed(self, out, naive_freed: Optional[dict[str, int]]):
         """Hang ``naive_freed`` (req_id -> Naive-Evict's freed blocks) on the step's output as
-        ``vtoken_naive_freed``; returns the output to pass on.
+        ``vtoken_naive_freed``, and the moves and seconds since the last output
+        (:attr:`report`) as ``vtoken_worker``; returns the output to pass on.
 
         Handles a ``ModelRunnerOutput`` (a shared empty one is copied first), Model Runner
         V2's ``AsyncOutput`` (its ``model_runner_output``) and the V1 runner's async output
         (its ``get_output`` is wrapped on the instance).
         """
-        if not naive_freed or out is None:
+        if out is None or (not naive_freed and not self.report["moved"] and not self.report["seconds"]):
             return out
-        attrs = {"vtoken_naive_freed": naive_freed}
+        attrs = {"vtoken_naive_freed": naive_freed, "vtoken_worker": self.report}
+        self.report = {"moved": 0, "seconds": 0.0}
         inner = getattr(out, "model_runner_output", None)
         if inner is not None:  # MRV2 AsyncOutput: get_output() returns this very object
             _set_attrs(inner, attrs)
