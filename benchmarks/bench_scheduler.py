@@ -1,9 +1,8 @@
 """Host-side (scheduler) cost per decode step of vToken vs stock vLLM at GPU scale, without a model.
 
 Run:  .venv/bin/python benchmarks/bench_scheduler.py [--quick] [--requests 32 128 256 512]
-          [--live 512 2048 8192] [--steps 30] [--warmup 5]
-          [--arms stock h2o random h2o-worker random-worker] [--out PATH] [--select-reps 10]
-          [--select-threads 1] [--no-select] [--profile h2o-worker:256:2048]
+          [--live 512 2048 8192] [--steps 30] [--warmup 5] [--arms stock h2o random] [--out PATH]
+          [--select-reps 10] [--select-threads 1] [--no-select] [--profile h2o:256:2048]
           [--replot benchmarks/results/bench_scheduler.json]
 
 What is measured. vLLM's real V1 ``Scheduler`` (``vllm.v1.core.sched.scheduler.Scheduler``, sync
@@ -12,81 +11,72 @@ scheduling) and vToken's ``VTokenScheduler`` (its subclass, settings from
 ``schedule()`` a fake ``ModelRunnerOutput`` is built whose ``req_ids``/``req_id_to_index`` follow
 ``num_scheduled_tokens`` and whose ``sampled_token_ids`` give one token to every request whose
 prefill is complete (an empty list for a partial prefill chunk), then ``update_from_output()``
-runs. For vToken's scoring policies under ``decide_on: scheduler`` the output also carries
-``vtoken_scores`` (req_id -> (col_sum, last_row)) for every request in
-``SchedulerOutput.vtoken.score_steps``: float64 arrays of the request's live-token count at the
-scored step, drawn from a seeded ``numpy.random.Generator``; each array is present only when the
-step asked for it (``payload.scores[rid]``'s ``AttentionNeed`` bits, as the real worker does: H2O
-asks for ``col_sum`` only). The arrays are drawn *between* ``schedule()`` and
-``update_from_output()``, outside both timers: their generation is not timed. Under
-``decide_on: worker`` the scheduler never receives statistics (``score_steps`` stays empty, so
-no ``vtoken_scores`` are sent): it computes from counts only how many tokens ``k`` each request
-evicts (``vtoken.protocol.evictable``; the per-request counts are rows of one numpy array,
-``vtoken/integrations/vllm/sched/counts.py``), frees the tail blocks, and sends
-``payload.evict = {req_id: k}`` (plus ``payload.states`` for new requests); the worker picks the
-victims.
+runs. vToken has one eviction path: the scheduler never receives statistics; per step it computes
+from counts only how many tokens ``k`` each request evicts (fixed pacing, ``vtoken.protocol``; the
+per-request counts are rows of one numpy array, ``vtoken/integrations/vllm/sched/counts.py``),
+frees the emptied tail blocks, and sends ``payload.evict = {req_id: k}`` (plus ``payload.states``
+for new requests, ``payload.scores`` for the statistics the worker computes itself); the worker
+picks the victims and moves the K/V (timed separately below, not here).
 
 A cell is (running requests R, live tokens L): R requests with prompts of ``2 L`` tokens,
-``max_tokens`` enough to outlast the run, ``ignore_eos``; vToken budget ``L`` with slack 0, so after
-the prefill every request evicts (one token) at every step. The KV pool (block size 32, one
+``max_tokens`` enough to outlast the run, ``ignore_eos``. The vToken arms run the **default
+config** apart from budget and slack: ``{"policy": P, "budget": L, "slack": 0}`` (no other key:
+fixed pacing, ``prefill_eviction`` chunks, the policy's default protections and granularity), so
+after the prefill every request evicts (one token) at every step. The KV pool (block size 32, one
 full-attention group) holds every request's full context, so nothing is ever preempted;
 ``max_num_seqs = R``; prefill runs in chunks of up to ``--chunk`` tokens per step (default
-2**19: 1 to 17 prefill steps in the default sweep) so warm-up is quick. Prefix caching is off,
-as in the other benchmarks. Arms: ``stock`` (vLLM's ``Scheduler``, no eviction), ``h2o`` and
-``random`` (``VTokenScheduler`` with that policy, ``decide_on: scheduler``: victims chosen per
-request in the scheduler), ``h2o-worker`` and ``random-worker`` (the same policies with
-``decide_on: worker``; labelled ``vT h2o@w`` / ``vT random@w``). All arms of a cell are built,
-prefilled and warmed up (``--warmup`` decode steps after the last prefill chunk), then their
-timed steps are interleaved round-robin (stock, h2o, random, h2o-worker, random-worker, stock,
-...) so their timings are side by side. Per timed step: wall time of ``schedule()`` and of
-``update_from_output()`` (``time.perf_counter_ns``), and for vToken the part of ``schedule()``
-spent before the stock ``schedule()`` (eviction: victim selection, token-table repack and block
-freeing, or under ``decide_on: worker`` the counts and block freeing; the scheduler's own
-``vt_stats.repack_seconds``). The heap is ``gc.freeze()``-d before the timed steps (vLLM's
-EngineCore freezes it after start-up); the collector stays on. Each timed step is checked: every
-request scheduled with exactly 1 token, and (vToken) exactly R evictions in the step; under
-``decide_on: worker`` also ``payload.evict == {rid: 1}`` for every request and no moves or score
-steps on the payload. The scheduler does not count moved tokens in that mode (the worker plans
-the moves): ``mean_moves_per_step`` is null for those arms.
+2**19: 1 to 17 prefill steps in the default sweep) so warm-up is quick, and the prompt is cut to
+the budget between chunks and at the first decode step (``prefill_eviction: chunks``); only the
+steady decode steps after it are timed. Prefix caching is off, as in the other benchmarks. Arms:
+``stock`` (vLLM's ``Scheduler``, no eviction), ``h2o`` and ``random`` (``VTokenScheduler`` with that
+policy; labelled ``vT h2o`` / ``vT random``). All arms of a cell are built, prefilled and warmed up
+(``--warmup`` decode steps after the last prefill chunk), then their timed steps are interleaved
+round-robin (stock, h2o, random, stock, ...) so their timings are side by side. Per timed step:
+wall time of ``schedule()`` and of ``update_from_output()`` (``time.perf_counter_ns``), and for
+vToken the part of ``schedule()`` spent before the stock ``schedule()`` (the counts and block
+freeing; the scheduler's own ``vt_stats.repack_seconds``, as no worker report comes back). The
+heap is ``gc.freeze()``-d before the timed steps (vLLM's EngineCore freezes it after start-up);
+the collector stays on. Each timed step is checked: every request scheduled with exactly 1 token,
+and (vToken) exactly R evictions in the step and ``payload.evict == {rid: 1}`` for every request.
 
-Worker side. The work ``decide_on: worker`` moves to the worker is timed per decode step for
-policies h2o and random (``WorkerStep`` / ``time_worker``): a ``vtoken.decider.DeviceDecider`` built
-as ``WorkerDecisions`` builds one (``VTokenConfig(policy=..., budget=L)``, ``make_policy()``,
-``protections()``: h2o no sinks and ``recent = L // 2``, random none), over a side cache of block
-size 32 in which each request has its own ``ceil((L+1)/32)`` blocks, holding R requests x
-``L + 1`` live tokens (the budget plus the token the last step appended); one step is
-``observe`` (h2o: ``col_sum`` float64 ``[R, L+1]``, made once before timing; random needs no
-statistics) + ``evict`` (k = 1 per request: select, plan, move the side cache) + ``append``
-(1 token per request), the calls' row/block-table/count/protection tensors made from host lists
-each step as ``WorkerDecisions`` does. Median (and min, max) ms over ``--select-reps`` steps
-(halved, at least 3, for cells above 2**21 tokens) after 2 warm-up steps, on CPU torch tensors
-(``--select-threads`` torch threads, default 1: on a shared 2-core machine two OpenMP threads
-cost ~300 ms a call in waits whatever the size), and on CUDA (``torch.cuda.synchronize()``
-around each step) when ``torch.cuda.is_available()``. For the CPU timings glibc's mmap and
-trim thresholds are raised first (``tune_cpu_malloc``; ``--default-malloc`` keeps the
-defaults), so that the steps' big temporaries reuse heap memory as the CUDA caching allocator
-does instead of costing fresh zero pages every step (about 2/3 of a 512 x 8193 step otherwise);
-each CPU row records its minor page faults per step. **Not included**: the KV-cache move kernel
-that applies the step's slot moves to every layer's K/V (``vtoken.kernels.move``),
-``WorkerDecisions``' own bookkeeping (block-id copies from the ``SchedulerOutput``, grouping by
-policy) and packing the statistics into a batch. Also timed, alone, as before: one
-``select_victims`` + ``plan_moves`` call (``vtoken.select``) for R x (L + 1), k = 1, H2O's
-protections, on random float64 scores and a random permutation of logical positions per row.
-``--no-select`` skips the worker side; if ``vtoken.decider`` is missing it is skipped with a
-printed note.
+Worker side. The worker's eviction work is timed per decode step for policies h2o and random
+(``WorkerStep`` / ``time_worker``): a ``vtoken.decider.DeviceDecider`` built as ``WorkerDecisions``
+builds one (``VTokenConfig(policy=..., budget=L)``, ``make_policy()``, ``protections()``: h2o no
+sinks and ``recent = L // 2``, random none), with one token set per request (``request``
+granularity; the default config's H2O keeps one set per layer and KV head, whose cost per set
+``benchmarks/bench_granularity.py`` measures), over a side cache of block size 32 in which each
+request has its own ``ceil((L+1)/32)`` blocks, holding R requests x ``L + 1`` live tokens (the
+budget plus the token the last step appended); one step is ``observe`` (h2o: ``col_sum`` float64
+``[R, L+1]``, made once before timing; random needs no statistics) + ``evict`` (k = 1 per request:
+select, plan, move the side cache) + ``append`` (1 token per request), the calls'
+row/block-table/count/protection tensors made from host lists each step as ``WorkerDecisions``
+does. Median (and min, max) ms over ``--select-reps`` steps (halved, at least 3, for cells above
+2**21 tokens) after 2 warm-up steps, on CPU torch tensors (``--select-threads`` torch threads,
+default 1: on a shared 2-core machine two OpenMP threads cost ~300 ms a call in waits whatever the
+size), and on CUDA (``torch.cuda.synchronize()`` around each step) when
+``torch.cuda.is_available()``. For the CPU timings glibc's mmap and trim thresholds are raised
+first (``tune_cpu_malloc``; ``--default-malloc`` keeps the defaults), so that the steps' big
+temporaries reuse heap memory as the CUDA caching allocator does instead of costing fresh zero
+pages every step (about 2/3 of a 512 x 8193 step otherwise); each CPU row records its minor page
+faults per step. **Not included**: the KV-cache move kernel that applies the step's slot moves to
+every layer's K/V (``vtoken.kernels.move``), ``WorkerDecisions``' own bookkeeping (block-id copies
+from the ``SchedulerOutput``, grouping by policy) and packing the statistics into a batch. Also
+timed, alone: one ``select_victims`` + ``plan_moves`` call (``vtoken.select``) for R x (L + 1),
+k = 1, H2O's protections, on random float64 scores and a random permutation of logical positions
+per row. ``--no-select`` skips the worker side; if ``vtoken.decider`` is missing it is skipped
+with a printed note.
 
-Outputs: two tables (host ms per step for every arm with ratios to stock and the pre-schedule
-part of ``h2o``/``h2o-worker``; the worker side per policy and device, median (min-max), and the
-selection alone), ``benchmarks/results/bench_scheduler.json`` (or ``--out``: date, machine,
-command line, vLLM version, load average before and after, every cell's per-step statistics per
-arm; ``worker``: device -> rows with policy, num_requests, live, num_live, median/min/max ms,
-reps, threads, minor_faults_per_step; ``worker_cpu_malloc``: the allocator setting; ``select``:
-device -> rows of the selection alone) and a plot next to it (same name, ``.png``): one panel
-per live-token count, host ms per step vs running requests, one line per arm (worker-mode arms
-dashed, square/triangle markers) plus the worker side on CPU (dotted), log-log.
-``--profile ARM:R:L`` instead runs only that cell for that arm under cProfile (the timed steps
-only) and prints the top 15 functions by cumulative time; ``--replot JSON`` only redraws the
-plot of a result file.
+Outputs: two tables (host ms per step for every arm with ratios to stock and vToken's pre-schedule
+part; the worker side per policy and device, median (min-max), and the selection alone),
+``benchmarks/results/bench_scheduler.json`` (or ``--out``: date, machine, command line, vLLM
+version, load average before and after, the vToken config of the arms, every cell's per-step
+statistics per arm; ``worker``: device -> rows with policy, num_requests, live, num_live,
+median/min/max ms, reps, threads, minor_faults_per_step; ``worker_cpu_malloc``: the allocator
+setting; ``select``: device -> rows of the selection alone) and a plot next to it (same name,
+``.png``): one panel per live-token count, host ms per step vs running requests, one line per arm
+plus the worker side on CPU (dotted), log-log. ``--profile ARM:R:L`` instead runs only that cell
+for that arm under cProfile (the timed steps only) and prints the top 15 functions by cumulative
+time; ``--replot JSON`` only redraws the plot of a result file.
 """
 
 from __future__ import annotations
@@ -115,8 +105,7 @@ if str(ROOT) not in sys.path:
 
 OUT = ROOT / "benchmarks" / "results" / "bench_scheduler.json"
 BLOCK_SIZE = 32
-ARMS = ("stock", "h2o", "random", "h2o-worker", "random-worker")
-WORKER_SUFFIX = "-worker"  # arm "<policy>-worker": that policy with decide_on: worker
+ARMS = ("stock", "h2o", "random")
 WORKER_POLICIES = ("h2o", "random")  # the worker-side timing's policies
 DEFAULT_REQUESTS = (32, 128, 256, 512)
 DEFAULT_LIVE = (512, 2048, 8192)
@@ -129,22 +118,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def arm_policy(arm: str) -> tuple[Optional[str], str]:
-    """``(policy, decide_on)`` of an arm: ``("h2o", "scheduler")`` for ``h2o``, ``("h2o", "worker")``
-    for ``h2o-worker``, ``(None, "")`` for ``stock``."""
-    if arm == "stock":
-        return None, ""
-    if arm.endswith(WORKER_SUFFIX):
-        return arm[: -len(WORKER_SUFFIX)], "worker"
-    return arm, "scheduler"
+def arm_policy(arm: str) -> Optional[str]:
+    """The vToken policy of an arm (its name), None for ``stock``."""
+    return None if arm == "stock" else arm
 
 
 def arm_label(arm: str) -> str:
-    """Table and plot label: ``stock``, ``vT h2o``, ``vT h2o@w`` (decide_on: worker)."""
-    policy, where = arm_policy(arm)
-    if policy is None:
-        return arm
-    return f"vT {policy}" + ("@w" if where == "worker" else "")
+    """Table and plot label: ``stock``, ``vT h2o``."""
+    policy = arm_policy(arm)
+    return arm if policy is None else f"vT {policy}"
+
+
+def vtoken_config(policy: str, budget: int, slack: int = 0) -> dict[str, Any]:
+    """The ``additional_config["vtoken"]`` of a vToken arm: the default config apart from budget
+    and slack (fixed pacing, ``prefill_eviction`` chunks, the policy's protections and granularity)."""
+    return {"policy": policy, "budget": budget, "slack": slack}
 
 
 # ------------------------------------------------------------------ building a scheduler
@@ -158,8 +146,8 @@ def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: 
                    chunk: int, block_size: int = BLOCK_SIZE, model: Optional[str] = None, slack: int = 0,
                    num_blocks: Optional[int] = None):
     """A V1 ``Scheduler`` (``arm == "stock"``) or ``VTokenScheduler`` (``arm`` = a vToken policy,
-    or ``<policy>-worker`` for that policy with ``decide_on: worker``), with a pool that holds
-    every request's whole context (nothing is preempted) unless ``num_blocks`` says otherwise."""
+    :func:`vtoken_config`), with a pool that holds every request's whole context (nothing is
+    preempted) unless ``num_blocks`` says otherwise."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -177,14 +165,8 @@ def make_scheduler(arm: str, *, num_requests: int, prompt_len: int, max_tokens: 
                          max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
                          async_scheduling=False)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=False)
-    policy, where = arm_policy(arm)
-    extra = {}
-    if policy is not None:
-        extra = {"vtoken": {"policy": policy, "budget": budget, "slack": slack}}
-        if where == "worker":
-            # prefill_eviction after: the scheduler arm's rule (chunks, the worker's default, cannot
-            # run there), so both arms evict the same counts at the same steps
-            extra["vtoken"].update(decide_on="worker", prefill_eviction="after")
+    policy = arm_policy(arm)
+    extra = {} if policy is None else {"vtoken": vtoken_config(policy, budget, slack)}
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, additional_config=extra)
     num_blocks = num_blocks or num_requests * cdiv(max_model_len, block_size) + 16
     vc.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling
@@ -216,8 +198,8 @@ def make_requests(num_requests: int, prompt_len: int, max_tokens: int, seed: int
 
 
 def _live_tokens(sched, rid: str) -> int:
-    """vToken's live-token count of ``rid`` right after ``schedule()`` (untimed helper); under
-    ``decide_on: worker`` the state's table reads the same count from its row."""
+    """vToken's live-token count of ``rid`` after ``schedule()`` (untimed helper; the state's
+    table reads it from its row of the scheduler's count array)."""
     st = getattr(sched, "_vt_states", {}).get(rid)
     if st is not None:
         return int(st.table.num_live)
@@ -231,20 +213,17 @@ class Driver:
                  model: Optional[str] = None):
         self.arm, self.R, self.live = arm, num_requests, live
         self.vtoken = arm != "stock"
-        self.worker = arm_policy(arm)[1] == "worker"  # decide_on: worker
         self.prompt_len = 2 * live
         self.sched = make_scheduler(arm, num_requests=num_requests, prompt_len=self.prompt_len,
                                     max_tokens=max_tokens, budget=live, chunk=chunk, model=model)
         for req in make_requests(num_requests, self.prompt_len, max_tokens, seed):
             self.sched.add_request(req)
-        self.rng = np.random.default_rng(seed + 1)
         self.steps = 0
         self.prefill_steps = 0
         self.schedule_ns: list[int] = []
         self.update_ns: list[int] = []
         self.evict_ns: list[int] = []
-        self.moves: list[int] = []
-        self.evicted: list[int] = []  # tokens evicted per timed step (the payload's counts / the stats)
+        self.evicted: list[int] = []  # tokens evicted per timed step (the payload's counts)
         self.bad_steps: list[str] = []
 
     # -- fake worker
@@ -259,21 +238,9 @@ class Driver:
             # schedule() already advanced num_computed_tokens: the prefill is complete when it
             # covers every token, and then the step samples one
             sampled.append([SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                                sampled_token_ids=sampled)
-        payload = getattr(out, "vtoken", None)
-        if payload is not None and payload.score_steps:
-            from vtoken.policies.base import AttentionNeed
-
-            scores = {}
-            for rid in payload.score_steps:
-                need = payload.scores.get(rid, 0)
-                n = _live_tokens(sched, rid)
-                col = self.rng.random(n) if need & AttentionNeed.COL_SUM.value else None
-                row = self.rng.random(n) if need & AttentionNeed.LAST_ROW.value else None
-                scores[rid] = (col, row)
-            mro.vtoken_scores = scores
-        return mro
+        # no worker report (vtoken_worker): the scheduler's repack_seconds stays its own part
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                 sampled_token_ids=sampled)
 
     # -- one step
     def step(self, timed: bool = False, on_step: Optional[Callable] = None):
@@ -282,11 +249,10 @@ class Driver:
         stats = getattr(sched, "vt_stats", None)
         ev0 = stats.evictions if stats is not None else 0
         rs0 = stats.repack_seconds if stats is not None else 0.0
-        et0 = stats.evicted_tokens if stats is not None else 0
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        mro = self.fake_output(out)  # untimed: includes drawing the scores
+        mro = self.fake_output(out)  # untimed
         t2 = clock()
         sched.update_from_output(out, mro)
         t3 = clock()
@@ -294,28 +260,22 @@ class Driver:
         if timed:
             self.schedule_ns.append(t1 - t0)
             self.update_ns.append(t3 - t2)
+            payload = getattr(out, "vtoken", None)
             if stats is not None:
                 self.evict_ns.append(int(round((stats.repack_seconds - rs0) * 1e9)))
-                payload = getattr(out, "vtoken", None)
-                self.moves.append(payload.num_moves if payload is not None else 0)
-                self.evicted.append(sum(payload.evict.values()) if self.worker and payload is not None
-                                    else stats.evicted_tokens - et0)
+                self.evicted.append(sum(payload.evict.values()) if payload is not None else 0)
             ok = len(out.num_scheduled_tokens) == self.R and all(n == 1 for n in out.num_scheduled_tokens.values())
             if not ok:
                 self.bad_steps.append(f"step {self.steps}: {len(out.num_scheduled_tokens)} requests scheduled, "
                                       f"tokens {sorted(set(out.num_scheduled_tokens.values()))}")
             if stats is not None and stats.evictions - ev0 != self.R:
                 self.bad_steps.append(f"step {self.steps}: {stats.evictions - ev0} evictions, expected {self.R}")
-            if self.worker:
-                # the payload carries counts only: k = 1 for every request, no moves
-                payload = getattr(out, "vtoken", None)
+            if self.vtoken:
+                # the payload carries counts only: k = 1 for every request (the worker picks which)
                 evict = payload.evict if payload is not None else {}
                 if evict != {rid: 1 for rid in out.num_scheduled_tokens}:
                     self.bad_steps.append(f"step {self.steps}: payload.evict has {len(evict)} requests, values "
                                           f"{sorted(set(evict.values()))}; expected k = 1 for all {self.R}")
-                if payload is not None and (payload.num_moves or payload.score_steps):
-                    self.bad_steps.append(f"step {self.steps}: worker mode payload has {payload.num_moves} moves, "
-                                          f"{len(payload.score_steps)} score steps; expected none")
         if on_step is not None:
             on_step(self, out, timed)
         return out
@@ -348,11 +308,10 @@ class Driver:
             ev = np.asarray(self.evict_ns, dtype=np.float64) / 1e6
             r["evict"] = _stats(ev)  # part of schedule(): before the stock schedule()
             r["stock_schedule_part"] = _stats(sched_ms - ev)
-            r["decide_on"] = "worker" if self.worker else "scheduler"
             r["mean_evicted_per_step"] = float(np.mean(self.evicted)) if self.evicted else 0.0
-            # decide_on: worker: the worker picks the victims and plans the moves; the scheduler
-            # never knows how many tokens move (payload.src/dst stay empty)
-            r["mean_moves_per_step"] = None if self.worker else (float(np.mean(self.moves)) if self.moves else 0.0)
+            cfg = self.sched.vt_cfg
+            r["vtoken_config"] = cfg.model_dump(exclude_unset=True)  # the keys set: policy, budget, slack
+            r["prefill_eviction"] = cfg.resolved_prefill_eviction()
             s = self.sched.vt_stats
             r["faults"] = int(s.request_faults)
         return r
@@ -430,7 +389,7 @@ def _minor_faults() -> int:
 
 
 class WorkerStep:
-    """The worker's eviction work of one steady decode step under ``decide_on: worker``.
+    """The worker's eviction work of one steady decode step.
 
     A :class:`vtoken.decider.DeviceDecider` built as ``WorkerDecisions`` builds one
     (``cfg = VTokenConfig(policy=..., budget=L)``, ``cfg.make_policy()``, protections from
@@ -664,13 +623,12 @@ def print_table(cells: list[dict[str, Any]], arms, worker_rows: Optional[dict] =
     labels = {a: arm_label(a) for a in arms}
     w = {a: max(11, len(labels[a]) + 2) for a in arms}
     others = [a for a in arms if a != "stock"] if "stock" in arms else []
-    pre = [a for a in arms if a in ("h2o", "h2o-worker")]
+    pre = [a for a in arms if a != "stock"]
     head = f"{'R':>5}{'live':>6}" + "".join(f"{labels[a]:>{w[a]}}" for a in arms)
     head += "".join(f"{labels[a] + '/st':>{w[a] + 3}}" for a in others)
     head += "".join(f"{labels[a] + ' pre':>{w[a] + 4}}" for a in pre)
     print("\nhost ms per decode step, median (schedule + update_from_output); '/st' = ratio to stock;"
-          "\n'pre' = vToken's part of schedule() before the stock schedule() (evict, free blocks); "
-          "@w = decide_on: worker")
+          "\n'pre' = vToken's part of schedule() before the stock schedule() (eviction counts, free blocks)")
     print(head)
     print("-" * len(head))
     for c in cells:
@@ -721,9 +679,7 @@ def print_table(cells: list[dict[str, Any]], arms, worker_rows: Optional[dict] =
 ARM_STYLE = {  # color, marker, line style
     "stock": ("tab:gray", "o", "-"),
     "h2o": ("tab:red", "o", "-"),
-    "random": ("tab:blue", "o", "-"),
-    "h2o-worker": ("tab:orange", "s", "--"),
-    "random-worker": ("tab:cyan", "^", "--"),
+    "random": ("tab:blue", "s", "-"),
 }
 WORKER_STYLE = {"h2o": ("tab:green", "x", ":"), "random": ("tab:olive", "+", ":")}
 
@@ -771,8 +727,8 @@ def plot(doc: dict[str, Any], path: Path) -> Optional[Path]:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("ms per decode step (median)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Scheduler host time per decode step, no model (sync scheduling); @w = decide_on: worker",
-                 fontsize=10)
+    fig.suptitle("Scheduler host time per decode step, no model (sync scheduling; vToken's default config, "
+                 "budget = live, slack 0)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -861,8 +817,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     select_reps=args.select_reps, select_threads=args.select_threads or None,
                     worker_policies=list(WORKER_POLICIES), worker_warmup=2,
                     prompt_len="2 x live", budget="live", slack=0, scheduling="sync", prefix_caching=False,
-                    scores="numpy default_rng(seed+1).random, drawn between schedule() and update_from_output(), "
-                           "untimed; only the arrays the step asked for (AttentionNeed bits)"),
+                    vtoken=dict(policy="<arm>", budget="live", slack=0),  # nothing else: the default config
+                    worker_granularity="request (one token set per request)"),
         units="milliseconds per decode step (all running requests), wall clock, time.perf_counter_ns",
     )
     cells = []

@@ -153,8 +153,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     for name, args in policy_args_schema().items():
         print(f"  {name:13} {', '.join(f'{k}={v}' for k, v in args.items()) or '(none)'}")
     print("per request (SamplingParams.extra_args, OpenAI vllm_xargs): vtoken_budget (int >= 1), "
-          "vtoken_policy (a policy name), vtoken_granularity (request, layer, head, head_shared; not request: needs "
-          "decide_on worker), vtoken_enable (bool; false: no eviction for this request)")
+          "vtoken_policy (a policy name), vtoken_granularity (request, layer, head, head_shared), "
+          "vtoken_enable (bool; false: no eviction for this request)")
     return 0
 
 

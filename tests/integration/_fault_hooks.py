@@ -1,20 +1,22 @@
-"""Harness hooks that inject faults confined to one request (loaded in the harness process).
+"""Harness hooks that inject faults confined to one request into the worker (loaded in the harness
+process, where the engine runs in-process, so the worker's classes are patched here).
 
-* requests with budget 41: their policy's ``select_victims`` raises ``ValueError`` (a policy bug);
-* requests whose id starts with ``short``: the attention statistics the worker returns for them
-  are one slot short (a score-length mismatch).
+* requests whose id starts with ``boom``: the worker's eviction of their group raises
+  ``ValueError("injected policy fault")`` whenever they are in it (a policy bug): the batch is
+  retried one request at a time and only ``boom`` fails;
+* requests whose id starts with ``nan``: the attention statistics the worker folds for them are
+  NaN (a numerical fault in the forward's statistics).
 
 The vToken log records (logger ``vllm.vtoken``) of the run are returned as ``out["vtoken_log"]``.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
-from drivers.harness import RunHooks
+import numpy as np
 
-FAULTY_BUDGET = 41
+from drivers.harness import RunHooks
 
 
 class _Capture(logging.Handler):
@@ -28,37 +30,27 @@ class _Capture(logging.Handler):
 
 class FaultInjection(RunHooks):
     def attach(self, engine, sched) -> None:
+        from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
+
         self.capture = _Capture()
         logging.getLogger("vllm.vtoken").addHandler(self.capture)
-        orig_policy = sched._vt_policy
+        orig_evict_rows = WorkerDecisions._evict_rows
 
-        def _vt_policy(cfg, budget):
-            pol = orig_policy(cfg, budget)
-            if budget == FAULTY_BUDGET:
-                pol = copy.copy(pol)
+        def _evict_rows(self, g, rows, rids, evict):
+            if any(r.startswith("boom") for r in rids):
+                raise ValueError("injected policy fault")
+            return orig_evict_rows(self, g, rows, rids, evict)
 
-                def select_victims(*a, **k):
-                    raise ValueError("injected policy fault")
+        orig_fold = WorkerDecisions.fold
 
-                pol.select_victims = select_victims
-            return pol
-
-        sched._vt_policy = _vt_policy
-        orig_update = sched.update_from_output
-
-        def update_from_output(scheduler_output, model_runner_output):
-            scores = getattr(model_runner_output, "vtoken_scores", None)
+        def fold(self, scores):
             if scores:
-                cut = {}
-                for rid, (col, last) in scores.items():
-                    if rid.startswith("short"):
-                        col = None if col is None else col[:-1]
-                        last = None if last is None else last[:-1]
-                    cut[rid] = (col, last)
-                model_runner_output.vtoken_scores = cut
-            return orig_update(scheduler_output, model_runner_output)
+                scores = {rid: tuple(None if a is None else (np.full_like(a, np.nan) if rid.startswith("nan") else a)
+                                     for a in v) for rid, v in scores.items()}
+            return orig_fold(self, scores)
 
-        sched.update_from_output = update_from_output
+        WorkerDecisions._evict_rows = _evict_rows
+        WorkerDecisions.fold = fold
 
     def finish(self, out) -> None:
         out["vtoken_log"] = self.capture.records

@@ -1,15 +1,15 @@
 """The model-free scheduler driver of ``benchmarks/bench_scheduler.py`` on one tiny cell.
 
 4 requests x 64 live tokens (prompt 128, budget 64, block size 32), 3 timed decode steps, arms
-``stock``, ``h2o`` and ``h2o-worker`` (H2O with ``decide_on: worker``), prefill in chunks of 96
-tokens so partial prefill chunks (no sampled token, H2O scores for a partial prompt) happen too.
-Checks exact facts of every timed step: every request is scheduled with 1 token; vToken keeps
-the budget (its live count is the budget plus this step's token, ``ceil(live/32)`` blocks, one
-eviction per request and step) in both modes; under ``decide_on: worker`` the payload carries
-counts only (``evict == {rid: 1}`` for every request, no moves, no score steps); the stock
-scheduler holds ``ceil(tokens/32)`` blocks per request. Then the worker-side timing
-(``WorkerStep``/``time_worker``: DeviceDecider observe + evict + append) on a tiny size. A few
-seconds.
+``stock``, ``h2o`` and ``random`` (vToken's default config apart from budget and slack), prefill in
+chunks of 96 tokens so partial prefill chunks (no sampled token; ``prefill_eviction: chunks``
+evicting between them) happen too. Checks exact facts of every timed step: every request is
+scheduled with 1 token; vToken keeps the budget (its live count is the budget plus this step's
+token, ``ceil(live/32)`` blocks, one eviction per request and step); the payload carries counts
+only (``evict == {rid: 1}`` for every request; H2O asks the worker for its statistics, Random for
+none); the stock scheduler holds ``ceil(tokens/32)`` blocks per request. Then the worker-side
+timing (``WorkerStep``/``time_worker``: DeviceDecider observe + evict + append) on a tiny size. A
+few seconds.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_scheduler as bs  # noqa: E402
 
 R, LIVE, STEPS, WARMUP, CHUNK = 4, 64, 3, 1, 96
-ARMS = ("stock", "h2o", "h2o-worker")
-VT_ARMS = ("h2o", "h2o-worker")
+ARMS = ("stock", "h2o", "random")
+VT_ARMS = ("h2o", "random")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,8 +60,8 @@ def cell():
             rec["reqs"][rid] = r
         payload = getattr(out, "vtoken", None)
         if payload is not None:
-            rec["payload"] = dict(evict=dict(payload.evict), num_moves=payload.num_moves,
-                                  score_steps=dict(payload.score_steps), scores=dict(payload.scores))
+            rec["payload"] = dict(evict=dict(payload.evict), scores=dict(payload.scores),
+                                  fields=sorted(vars(payload)))
         if snap is not None:
             rec["evictions"] = snap["stats"]["evictions"]
             rec["faults"] = snap["stats"]["request_faults"]
@@ -81,11 +81,15 @@ def test_cell_result(cell):
         assert a["prefill_steps"] >= cdiv(R * 2 * LIVE, CHUNK)  # chunked: several prefill steps
         assert a["total"]["median_ms"] > 0
         assert partial[arm] > 0  # some prefill chunks were partial
-    assert res["arms"]["h2o"]["faults"] == 0  # the fake scores had the right lengths
-    w = res["arms"]["h2o-worker"]
-    assert w["faults"] == 0 and w["decide_on"] == "worker"
-    assert w["mean_evicted_per_step"] == R and w["mean_moves_per_step"] is None  # moves: the worker's business
-    assert res["arms"]["h2o"]["decide_on"] == "scheduler" and res["arms"]["h2o"]["mean_evicted_per_step"] == R
+    for arm in VT_ARMS:
+        a = res["arms"][arm]
+        assert a["faults"] == 0 and a["mean_evicted_per_step"] == R
+        # the default config apart from budget and slack: no other key set, prefill cut between chunks
+        assert a["vtoken_config"] == {"policy": arm, "budget": LIVE, "slack": 0}
+        assert a["prefill_eviction"] == "chunks"
+        assert set(a) >= {"evict", "stock_schedule_part", "total", "schedule", "update"}
+        assert "decide_on" not in a and "mean_moves_per_step" not in a
+    assert set(res["arms"]["stock"]).isdisjoint({"evict", "vtoken_config", "mean_evicted_per_step"})
 
 
 def test_every_request_scheduled_one_token(cell):
@@ -115,16 +119,20 @@ def test_vtoken_keeps_the_budget(cell, arm):
         prev_evictions = rec["evictions"]
 
 
-def test_worker_mode_payload_carries_counts_only(cell):
+@pytest.mark.parametrize("arm", VT_ARMS)
+def test_payload_carries_counts_only(cell, arm):
+    from vtoken.policies.base import AttentionNeed
+
     _, seen, _ = cell
-    for rec in seen["h2o-worker"]:
+    for rec in seen[arm]:
         pl = rec["payload"]
         assert pl["evict"] == {f"req-{i}": 1 for i in range(R)}  # k = 1 for every request
-        assert pl["num_moves"] == 0  # the worker picks the victims and plans the moves
-        assert pl["score_steps"] == {}  # no statistics come back to the scheduler
-        assert set(pl["scores"]) == set(pl["evict"])  # the worker is still asked for H2O's col_sum
-    for rec in seen["h2o"]:  # decide_on: scheduler: moves, no counts
-        assert rec["payload"]["evict"] == {} and rec["payload"]["num_moves"] > 0
+        # the worker picks the victims and plans the moves: no slots or scores travel
+        assert not {"src", "dst", "score_steps", "refill"} & set(pl["fields"]), pl["fields"]
+        if arm == "h2o":  # the worker is asked for H2O's col_sum for every request
+            assert pl["scores"] == {f"req-{i}": AttentionNeed.COL_SUM.value for i in range(R)}
+        else:  # Random needs no statistics
+            assert pl["scores"] == {}
 
 
 def test_stock_blocks_follow_tokens(cell):
@@ -189,7 +197,15 @@ def test_worker_reps():
 
 
 def test_arm_names():
-    assert bs.arm_policy("stock") == (None, "")
-    assert bs.arm_policy("h2o") == ("h2o", "scheduler")
-    assert bs.arm_policy("random-worker") == ("random", "worker")
-    assert [bs.arm_label(a) for a in bs.ARMS] == ["stock", "vT h2o", "vT random", "vT h2o@w", "vT random@w"]
+    assert bs.ARMS == ("stock", "h2o", "random")
+    assert bs.arm_policy("stock") is None and bs.arm_policy("h2o") == "h2o"
+    assert [bs.arm_label(a) for a in bs.ARMS] == ["stock", "vT h2o", "vT random"]
+    assert bs.vtoken_config("random", 512) == {"policy": "random", "budget": 512, "slack": 0}
+
+
+def test_scheduler_config_is_the_default_one():
+    sched = bs.make_scheduler("h2o", num_requests=2, prompt_len=128, max_tokens=8, budget=64, chunk=96)
+    from vtoken.config import VTokenConfig
+
+    assert sched.vt_cfg == VTokenConfig(policy="h2o", budget=64, slack=0)
+    assert sched.vt_cfg.resolved_prefill_eviction() == "chunks" and sched.vt_cfg.pacing == "fixed"

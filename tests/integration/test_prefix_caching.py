@@ -18,10 +18,10 @@ of every hashed block a request holds after every step and fails if one changes.
   turn (A's prompt + answer + a question), B and A with TOVA, one after the other; then four
   requests sharing the prefix decode and evict together. Also on mrv2-async and under
   ``protect_cached_prefix: true``.
-* ``decide_on: worker``: a request's hit is read-only for it (its side-cache state belongs to the
+* Sharers of one policy: a request's hit is read-only for it (its side-cache state belongs to the
   request that computed the blocks) and protected; sharers of one policy beside their owner.
 * A pool too small for the copies: first evictions deferred, no lost request, no write to a
-  cached block, tokens equal the oracle replaying the logged evictions and preemptions.
+  cached block, tokens equal the oracle replaying the logged evictions.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest
 from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import parse_config, parse_request_overrides
 
-from execution_paths import EXPECTED, SCORE_LAG, path_env
+from execution_paths import EXPECTED, path_env
 
 pytestmark = pytest.mark.engine
 
@@ -225,15 +225,16 @@ def test_protect_cached_prefix_keeps_prompt_blocks_shared(tiny, protect_run):
 
 
 def test_default_on_mrv2_async(tiny, default_run):
-    """The default rule's sequence and sharers on Model Runner V2 with async scheduling (score lag 1)."""
+    """The default rule's sequence and sharers on Model Runner V2 with async scheduling (which
+    decides as sync: the same oracle)."""
     out = _run(tiny, VT_DEFAULT, SEQUENCE + CONCURRENT, "mrv2-async", digests=False)
     assert out["paths"] == EXPECTED["mrv2-async"]
     _check_sequence(out)
     _check_sharers(out, protected=False)
-    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT_DEFAULT, lag=SCORE_LAG["mrv2-async"])
+    _check_against_oracle(tiny, out, SEQUENCE + CONCURRENT, VT_DEFAULT)
 
 
-# decide_on: worker keeps per-token policy state in side caches indexed by KV slot, so requests
+# vToken keeps per-token policy state in side caches indexed by KV slot, so requests
 # holding the same cached blocks address the same state. W (H2O, budget 96, slack 120) computes and
 # caches the prefix and decodes without evicting for ~48 steps, then evicts 120 tokens at once; four H2O requests (one side cache: same
 # policy, same token sets) arrive after W's prefill, hit the prefix and evict beside it (their hit
@@ -248,8 +249,8 @@ WORKER_PHASES = [[_req("W", PREFIX + _suffix(20, 40))] + [
 
 @pytest.mark.parametrize("path", ["v1-sync", "mrv2-async"])
 def test_worker_decisions_share_cached_blocks_read_only(tiny, path):
-    """Under ``decide_on: worker`` async scheduling decides as sync (no score lag), so both paths
-    equal the same oracle; block digests are taken under sync scheduling only."""
+    """Async scheduling decides as sync, so both paths equal the same oracle; block digests are
+    taken under sync scheduling only."""
     out = _run(tiny, WORKER_VT, WORKER_PHASES, path, digests=path == "v1-sync")
     assert out["paths"] == EXPECTED[path]
     fin = out["finished"]
@@ -266,29 +267,29 @@ def test_worker_decisions_share_cached_blocks_read_only(tiny, path):
 
 
 # prefix_hits: skip: a request that would keep (protect) its hit does not read the prefix cache:
-# H2O under decide_on scheduler (A, B, A again, A's second turn compute their prompts; the TOVA
-# requests still hit the blocks the H2O requests cached), and under decide_on worker (W's H2O
-# sharers compute the prefix too). Every request's tokens equal the oracle's for it alone.
-SKIP_CASES = {"scheduler": (dict(VT_DEFAULT, prefix_hits="skip"), SEQUENCE,
-                            dict(SEQ_HITS, B=0, A2=0, **{"A-turn2": 0}), 4),
-              "worker": (dict(WORKER_VT, prefix_hits="skip"), WORKER_PHASES,
-                         {"W": 0, "S0": 0, "S1": 0, "S2": 0, "S3": 0}, 5)}
+# the sequence (A, B, A again, A's second turn compute their prompts; the TOVA requests still hit
+# the blocks the H2O requests cached), and the sharers (W's H2O sharers compute the prefix too).
+# Every request's tokens equal the oracle's for it alone.
+SKIP_CASES = {"sequence": (dict(VT_DEFAULT, prefix_hits="skip"), SEQUENCE,
+                           dict(SEQ_HITS, B=0, A2=0, **{"A-turn2": 0}), 4),
+              "sharers": (dict(WORKER_VT, prefix_hits="skip"), WORKER_PHASES,
+                          {"W": 0, "S0": 0, "S1": 0, "S2": 0, "S3": 0}, 5)}
 
 
-@pytest.mark.parametrize("decide_on", ["scheduler", "worker"])
-def test_prefix_hits_skip_makes_tokens_cache_independent(tiny, decide_on):
-    vt, phases, hits, skipped = SKIP_CASES[decide_on]
+@pytest.mark.parametrize("case", ["sequence", "sharers"])
+def test_prefix_hits_skip_makes_tokens_cache_independent(tiny, case):
+    vt, phases, hits, skipped = SKIP_CASES[case]
     out = _run(tiny, vt, phases, "v1-sync", digests=False)
     assert out["num_cached_tokens"] == hits
     assert {rid: f["protected"] for rid, f in out["finished"].items()} == dict.fromkeys(hits, 0)
     assert all(f["evicted"] > 0 for f in out["finished"].values())
-    # A (scheduler) and W (worker) have no hit to skip but are counted: they did not read the cache
+    # A (sequence) and W (sharers) have no hit to skip but are counted: they did not read the cache
     assert out["stats"]["prefix_reads_skipped"] == skipped and out["stats"]["request_faults"] == 0
     assert out["free_after_phase"] == [out["free_start"]] * len(phases)
     _check_against_oracle(tiny, out, phases, vt)
 
 
-# decide_on: worker, policies that need no statistics of the hit's tokens: a sharer copies its hit
+# Policies that need no statistics of the hit's tokens: a sharer copies its hit
 # into private blocks in the step that starts it (the cached blocks keep their hash for others),
 # its policy state covers the hit as its own tokens, and it evicts inside the hit: its tokens equal
 # the oracle's for it alone. W (H2O) computes and caches the prefix; six sharers of six policies
@@ -321,7 +322,7 @@ def test_worker_decisions_copy_the_hit_of_policies_without_prompt_statistics(tin
 
 
 def test_worker_naive_mode_with_hit_copies(tiny):
-    """``mode: naive`` under ``decide_on: worker`` with prefix caching: the same hit copies and
+    """``mode: naive`` with prefix caching: the same hit copies and
     decisions as vToken (tokens equal the same oracle, block digests checked), while the engine
     holds Naive-Evict's blocks; every block comes back."""
     vt = dict(WORKER_VT, mode="naive")
@@ -369,7 +370,8 @@ PRESSURE = [[_req("W", PREFIX + _suffix(20, 8), {"vtoken_budget": 256}, max_toke
 def test_first_evictions_under_pressure_defer_and_never_write_a_cached_block(tiny):
     """Copies that the free blocks cannot cover defer the first eviction (counted); no request is
     lost, no cached block is written (contents hashed after every step), the pool returns, and
-    every request's tokens equal the oracle replaying its evictions and preemptions as logged."""
+    every request's tokens equal the oracle replaying its evictions as logged (a preempted request
+    resumes with its saved K/V: no replay needed)."""
     from vtoken.oracle import oracle_generate
 
     out = _run(tiny, PRESSURE_VT, PRESSURE, "v1-sync", digests=True, num_blocks=13, max_model_len=384)
@@ -386,9 +388,8 @@ def test_first_evictions_under_pressure_defer_and_never_write_a_cached_block(tin
             fin = out["finished"][r["id"]]
             cfg = parse_request_overrides(r["extra_args"]).apply(parse_config(PRESSURE_VT))
             ref = oracle_generate(_oracle["model"], r["prompt_token_ids"], r["max_tokens"], cfg,
-                                  evict_schedule={d: k for d, k in fin["evict_log"]},
-                                  preempt_at=[d for d, _ in fin["preempt_log"]])
-            assert out["tokens"][r["id"]] == list(ref.token_ids), (r["id"], fin["evict_log"], fin["preempt_log"])
+                                  evict_schedule={d: k for d, k in fin["evict_log"]})
+            assert out["tokens"][r["id"]] == list(ref.token_ids), (r["id"], fin["evict_log"])
 
 
 # Four requests that share a 192-token prefix (6 blocks) and keep 2 blocks at budget 40: at their

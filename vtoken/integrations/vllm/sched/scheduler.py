@@ -888,6 +888,9 @@ class VTokenSchedulerMixin:
 
     # ------------------------------------------------------------------ feedback
     def update_from_output(self, scheduler_output, model_runner_output):
+        faults = getattr(model_runner_output, "vtoken_faults", None)
+        if faults:
+            self._vt_worker_faults(faults)
         rep = getattr(model_runner_output, "vtoken_worker", None)
         if rep:  # the worker's moves and selection time (metrics)
             self.vt_stats.moved_tokens += rep["moved"]
@@ -898,6 +901,23 @@ class VTokenSchedulerMixin:
         res = super().update_from_output(scheduler_output, model_runner_output)
         self._vt_publish_if_idle()
         return res
+
+    def _vt_worker_faults(self, faults: dict[str, str]) -> None:
+        """Faults the worker confined to one request (its state there is gone, so its KV cache
+        no longer follows the counts here): each is logged naming the request, counted in
+        ``vtoken:request_faults_total``, and the request ends with an error (vLLM's
+        ``FINISHED_ERROR``, through the scheduler's own set of requests to fail in this
+        ``update_from_output``); every other request goes on."""
+        fail = getattr(self, "encoder_cache_mismatch_reqs", None)
+        for rid, msg in faults.items():
+            st = self._vt_states.get(rid)
+            if st is None:
+                continue
+            st.faulted = True
+            self.vt_stats.request_faults += 1
+            logger.error("vToken: request %s: %s; the request ends with an error", rid, msg)
+            if fail is not None and rid in self.requests:
+                fail.add(rid)
 
     def _vt_take_naive_freed(self, freed: dict[str, int], step: int) -> None:
         """The worker's Naive-Evict freed-block counts of step ``step``

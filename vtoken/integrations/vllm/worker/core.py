@@ -615,16 +615,19 @@ class VTokenWorkerCore:
 
     def attach_naive_freed(self, out, naive_freed: Optional[dict[str, int]]):
         """Hang ``naive_freed`` (req_id -> Naive-Evict's freed blocks) on the step's output as
-        ``vtoken_naive_freed``, and the moves and seconds since the last output
-        (:attr:`report`) as ``vtoken_worker``; returns the output to pass on.
+        ``vtoken_naive_freed``, the moves and seconds since the last output (:attr:`report`) as
+        ``vtoken_worker``, and the faults confined to one request since then
+        (:meth:`WorkerDecisions.take_faults`, req_id -> message) as ``vtoken_faults``; returns the
+        output to pass on.
 
         Handles a ``ModelRunnerOutput`` (a shared empty one is copied first), Model Runner
         V2's ``AsyncOutput`` (its ``model_runner_output``) and the V1 runner's async output
         (its ``get_output`` is wrapped on the instance).
         """
-        if out is None or (not naive_freed and not self.report["moved"] and not self.report["seconds"]):
+        faults = self.decisions.take_faults() if self.decisions is not None else None
+        if out is None or (not naive_freed and not faults and not self.report["moved"] and not self.report["seconds"]):
             return out
-        attrs = {"vtoken_naive_freed": naive_freed, "vtoken_worker": self.report}
+        attrs = {"vtoken_naive_freed": naive_freed, "vtoken_worker": self.report, "vtoken_faults": faults}
         self.report = {"moved": 0, "seconds": 0.0}
         inner = getattr(out, "model_runner_output", None)
         if inner is not None:  # MRV2 AsyncOutput: get_output() returns this very object

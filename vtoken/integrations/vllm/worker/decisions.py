@@ -221,6 +221,8 @@ class WorkerDecisions:
         #: no token never samples, so its entries wait for the next): (group, rows, request
         #: ids, rows as a tensor), whose Naive-Evict counts :meth:`take_naive_freed` reads
         self._naive: list[tuple[_Group, list[int], list[str], torch.Tensor]] = []
+        #: faults confined to one request since the last output (:meth:`_fault`): req_id -> message
+        self.faults: dict[str, str] = {}
         #: preempted requests whose state is kept: req_id -> (blocks saved, side-cache fields of
         #: those blocks' slots, name -> ``[S, blocks * B, *lead]``); their K/V is saved by the caller
         self.suspended: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -370,34 +372,68 @@ class WorkerDecisions:
         return out
 
     def _evict(self, evict: dict[str, int]) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every evicting group at once (:meth:`_evict_rows`). A group whose batched call raises is
+        retried one request at a time, and each request that still raises is a fault confined to
+        it (:meth:`_fault`): the others evict as planned. (Selection raises before it changes any
+        state, so a retry starts from the same state.)"""
         out = []
         for g, rows, rids in self._by_group(evict).values():
-            dev = g.dec.live.device
-            spec = [self.where[r][2] for r in rids]
-            rows_t = torch.tensor(rows, device=dev)
-            table = g.table(rows)
-            if g.policy.eviction_keys:
-                if self.key_reader is None:
-                    raise RuntimeError(f"vToken: policy {g.policy.name!r} reads the cached keys at eviction, "
-                                       "but this worker has no key reader")
-                extra = {}
-                if g.policy.needs & AttentionNeed.QUERY_MOMENTS:
-                    if g.moments is None:  # no forward yet (cannot happen: a request evicts after one)
-                        raise RuntimeError(f"vToken: policy {g.policy.name!r} evicts before any query was seen")
-                    extra = dict(moments=tuple(t[rows_t] for t in g.moments), start=g.dec.logical[rows_t])
-                g.dec.observe(rows_t, table, None, None,
-                              key_sim=self.key_reader(g.policy, table, g.dec.live[rows_t], g.granularity, **extra))
-            def per_request(name: str):  # one int when every request has the same (no [R] tensor ops)
-                vals = [getattr(s, name) for s in spec]
-                return int(vals[0]) if vals.count(vals[0]) == len(vals) else torch.tensor(vals, device=dev)
-
-            ev = g.dec.evict(rows_t, table,
-                             torch.tensor([evict[r] for r in rids], device=dev),
-                             sink_tokens=per_request("sink_tokens"), recent_tokens=per_request("recent_tokens"),
-                             protected_prefix=per_request("protected_prefix"))
-            out.append((g.granularity, ev.src, ev.dst, ev.sets))
-            self._naive.append((g, rows, rids, rows_t))
+            try:
+                out.append(self._evict_rows(g, rows, rids, evict))
+            except Exception as e:  # noqa: BLE001 - confined below, per request
+                if len(rows) == 1:
+                    self._fault(rids[0], e)
+                    continue
+                for row, rid in zip(rows, rids):
+                    try:
+                        out.append(self._evict_rows(g, [row], [rid], evict))
+                    except Exception as e1:  # noqa: BLE001 - confined to this request
+                        self._fault(rid, e1)
         return out
+
+    def _fault(self, rid: str, exc: BaseException) -> None:
+        """A failure while deciding or folding for request ``rid`` alone: its state is dropped
+        here and the fault goes to the scheduler with the step's output (:attr:`faults`), which
+        ends the request with an error; every other request goes on. Deterministic, so under
+        tensor parallelism every rank drops the same request."""
+        self.faults[rid] = f"{type(exc).__name__}: {exc}"
+        self._drop(rid)
+
+    def take_faults(self) -> Optional[dict[str, str]]:
+        """The faults since the last call (req_id -> message), or None."""
+        if not self.faults:
+            return None
+        out, self.faults = self.faults, {}
+        return out
+
+    def _evict_rows(self, g: "_Group", rows: list[int], rids: list[str], evict: dict[str, int]
+                    ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+        dev = g.dec.live.device
+        spec = [self.where[r][2] for r in rids]
+        rows_t = torch.tensor(rows, device=dev)
+        table = g.table(rows)
+        if g.policy.eviction_keys:
+            if self.key_reader is None:
+                raise RuntimeError(f"vToken: policy {g.policy.name!r} reads the cached keys at eviction, "
+                                   "but this worker has no key reader")
+            extra = {}
+            if g.policy.needs & AttentionNeed.QUERY_MOMENTS:
+                if g.moments is None:  # no forward yet (cannot happen: a request evicts after one)
+                    raise RuntimeError(f"vToken: policy {g.policy.name!r} evicts before any query was seen")
+                extra = dict(moments=tuple(t[rows_t] for t in g.moments), start=g.dec.logical[rows_t])
+            g.dec.observe(rows_t, table, None, None,
+                          key_sim=self.key_reader(g.policy, table, g.dec.live[rows_t], g.granularity, **extra))
+
+        def per_request(name: str):  # one int when every request has the same (no [R] tensor ops)
+            vals = [getattr(s, name) for s in spec]
+            return int(vals[0]) if vals.count(vals[0]) == len(vals) else torch.tensor(vals, device=dev)
+
+        ev = g.dec.evict(rows_t, table,
+                         torch.tensor([evict[r] for r in rids], device=dev),
+                         sink_tokens=per_request("sink_tokens"), recent_tokens=per_request("recent_tokens"),
+                         protected_prefix=per_request("protected_prefix"))
+        self._naive.append((g, rows, rids, rows_t))
+        return g.granularity, ev.src, ev.dst, ev.sets
 
     def take_naive_freed(self, tp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                          tp_world: int = 1) -> Optional[dict[str, int]]:
@@ -545,6 +581,20 @@ class WorkerDecisions:
                         last[i, ..., : lr.shape[-1]] = lr
                     if kn is not None and len(scores[rid]) > 2 and scores[rid][2] is not None:
                         kn[i, ..., : scores[rid][2].shape[-1]] = scores[rid][2]
+                # non-finite statistics are a fault confined to their request (never folded in)
+                bad = np.zeros(len(part), dtype=bool)
+                for a in (col, last):
+                    if a is not None:
+                        bad |= ~np.isfinite(a.reshape(len(part), -1)).all(1)
+                if bad.any():
+                    for i in np.flatnonzero(bad).tolist():
+                        self._fault(part[i][1], FloatingPointError(
+                            "non-finite attention statistics (NaN or infinity) from this step's forward"))
+                    ok = ~bad
+                    part = [p for p, k in zip(part, ok.tolist()) if k]
+                    col, last, kn = (None if a is None else a[ok] for a in (col, last, kn))
+                    if not part:
+                        continue
                 dev = g.dec.live.device
                 prow = [row for row, _ in part]
                 g.dec.observe(torch.tensor(prow, device=dev), g.table(prow),
