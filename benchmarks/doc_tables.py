@@ -173,10 +173,11 @@ def step_split_table(name: str = "step_split.json") -> str:
 
 def scheduler_table(name: str = "bench_scheduler.json") -> str:
     """``bench_scheduler.py``: host ms per decode step (median) of vLLM's ``Scheduler`` and
-    vToken's, per arm, with the ratio to stock; and the worker-side ``DeviceDecider`` step (CPU)."""
+    vToken's (default config, one arm per policy), with the ratio to stock; and the worker-side
+    ``DeviceDecider`` step (CPU)."""
     d = _load(name)
     arms = [a for a in d["config"]["arms"] if a != "stock"]
-    label = {"h2o": "h2o", "random": "random", "h2o-worker": "h2o, worker", "random-worker": "random, worker"}
+    label = {"h2o": "H2O", "random": "Random"}
     worker = {(w["policy"], w["num_requests"], w["live"]): w["median_ms"] for w in d.get("worker", {}).get("cpu", [])}
     head = "| running requests | live tokens | stock (ms) | " + " | ".join(
         f"vToken {label.get(a, a)} (ms, x stock)" for a in arms) + " | worker side, CPU: h2o / random (ms) |"

@@ -194,10 +194,12 @@ class VTokenConfig(BaseModel):
             data = dict(data)
             v = data.pop("decide_on")
             if v != "worker":
+                what = ("the scheduler-side eviction path was removed" if v == "scheduler"
+                        else "not a value decide_on ever had; the option was removed")
                 raise ValueError(
-                    f"vtoken.decide_on = {v!r}: the scheduler-side eviction path was removed; vToken has one path "
-                    "(the scheduler counts how many tokens each request evicts, the worker picks which: "
-                    "docs/device-decisions.md); allowed: leave decide_on out (or 'worker', deprecated)")
+                    f"vtoken.decide_on = {v!r}: {what}; vToken has one eviction path (the scheduler counts how "
+                    "many tokens each request evicts, the worker picks which: docs/device-decisions.md); "
+                    "allowed: leave decide_on out (or 'worker', deprecated)")
             _deprecation("vtoken.decide_on = 'worker' is deprecated and has no effect: it is the only eviction "
                          "path now; remove the key")
         return data

@@ -1,6 +1,6 @@
 """The eviction protocol in counts: what the scheduler needs to say "how many" without tokens.
 
-Under ``decide_on: worker`` (``docs/device-decisions.md``) the scheduler never sees a token's
+The scheduler (``docs/device-decisions.md``) never sees a token's
 score or logical position. Per request and step it works from integers only:
 
 * :func:`num_to_evict` (``vtoken.config``) or pressure pacing (``vtoken.pacing``) asks for
@@ -39,7 +39,7 @@ def evictable(num_live: int, num_logical: int, sink_tokens: int, recent_tokens: 
 
 
 class CountTable:
-    """A request's token table in counts only: the scheduler's view under ``decide_on: worker``.
+    """A request's token table in counts only: the scheduler's view.
 
     The counts equal :class:`vtoken.token_table.TokenTable`'s for the same appends and
     evictions; which slots hold which positions is the worker's business.

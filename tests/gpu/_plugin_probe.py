@@ -10,6 +10,7 @@ CUDA extension check would fail). Prints one JSON object: case -> worker class o
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import vllm.platforms as vp
@@ -36,7 +37,10 @@ class Seen:
         return self._kind == "rocm"
 
 
+#: cases opted in to the unvalidated CUDA path (VTOKEN_UNVALIDATED_PLATFORM=1); the others run without it
+OPT_IN = {"cuda_bf16", "cuda_flash_attn", "cuda_flashinfer", "cuda_triton_attn", "cuda_float32", "rocm", "cpu"}
 CASES = {
+    "cuda_not_opted_in": ("cuda", dict(dtype="bfloat16")),
     "cuda_bf16": ("cuda", dict(dtype="bfloat16")),
     "cuda_flash_attn": ("cuda", dict(dtype="bfloat16", attention_backend="FLASH_ATTN")),
     "cuda_flashinfer": ("cuda", dict(dtype="bfloat16", attention_backend="FLASHINFER")),
@@ -53,6 +57,9 @@ def main(model: str) -> None:
     out = {}
     for name, (kind, kw) in CASES.items():
         vp.current_platform = Seen(real, kind)
+        os.environ.pop("VTOKEN_UNVALIDATED_PLATFORM", None)
+        if name in OPT_IN:
+            os.environ["VTOKEN_UNVALIDATED_PLATFORM"] = "1"
         try:
             ea = EngineArgs(model=model, block_size=32, skip_tokenizer_init=True, enable_prefix_caching=False,
                             additional_config={"vtoken": {"policy": "h2o", "budget": 64}}, **kw)

@@ -308,6 +308,10 @@ def plugin_probe():
 def test_plugin_wrapper_picks_worker_and_refuses_by_name(plugin_probe):
     """The real ``create_engine_config`` wrapper, the platform seen as CUDA / ROCm / CPU (``_plugin_probe.py``)."""
     refused = "VTokenConfigError: "
+    # CUDA has not been validated on a GPU: refused by name unless the user opts in
+    assert plugin_probe["cuda_not_opted_in"] == {"error": refused + (
+        f"platform = 'CUDA': vToken does not support it yet "
+        f"({_row('cuda_unvalidated').reason}; VTOKEN_UNVALIDATED_PLATFORM is not set)")}
     assert plugin_probe["cuda_bf16"] == {"worker": platforms.CUDA_WORKER_CLS}
     assert plugin_probe["cuda_flash_attn"] == {"worker": platforms.CUDA_WORKER_CLS}
     assert plugin_probe["cpu"] == {"worker": platforms.CPU_WORKER_CLS}

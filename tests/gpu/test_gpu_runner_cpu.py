@@ -6,7 +6,7 @@
   FlashAttention (``get_supported_kv_cache_layouts``) is ``LBNHC``;
 * ``GPUStepScores`` (the Triton scorer's plan; the PyTorch scorer on CPU tensors) gives the CPU
   worker's ``StepScores`` numbers to 1e-5 for decode rows, prefill chunks and last-row-only rows;
-* ``VTokenGPUWorkerCore.begin_step`` moves every layer with one launch from staged copies;
+* ``VTokenGPUWorkerCore`` applies the worker's moves per token set through the paged layout;
 * the runners' physical inputs: MRV2 gives attention a **persistent** ``seq_lens`` buffer on
   every step (same address with and without offsets; ``input_batch.seq_lens`` stays logical),
   physical positions and upper bounds; V1 subtracts in place and recomputes the slot mapping
@@ -150,25 +150,36 @@ def _core(views, layout="LBNHC"):
     return VTokenGPUWorkerCore(fc, PagedKVLayout(layout), lambda: (np.zeros(1), np.zeros(0)))
 
 
-def test_core_moves_all_layers_in_one_launch_and_records_offsets():
+def test_core_applies_the_decisions_moves_per_set_and_records_offsets():
+    """The worker's moves (``WorkerDecisions``: global slots and each move's token set) go to
+    every layer through the paged layout, per set: ``request`` moves every layer and head,
+    ``head`` only the (layer, KV head) of its set; offsets and score requests are recorded."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from vtoken.kernels import move_tokens_paged_reference
 
     _, views = _views(KVCacheLayout.LBNHC, layers=3)
     ref = [v.clone() for v in views]
-    src, dst = np.array([1, 2, 30], dtype=np.int64), np.array([60, 61, 5], dtype=np.int64)
-    move_tokens_paged_reference(ref, torch.from_numpy(src), torch.from_numpy(dst))
+    src, dst = torch.tensor([1, 2, 30]), torch.tensor([60, 61, 5])
+    move_tokens_paged_reference(ref, src, dst)
     core = _core(views)
-    p = StepPayload(src=src, dst=dst, offsets={"a": 3, "b": 0}, scores={"a": COL})
+    core._apply_set_moves("request", src, dst, torch.zeros(3, dtype=torch.int64))
+    assert all(torch.equal(v, r) for v, r in zip(views, ref))
+    # head sets: set s = layer * Hkv + head; move slot 7 -> 3 in (layer 2, head 1) only
+    before = [v.clone() for v in views]
+    core._apply_set_moves("head", torch.tensor([7]), torch.tensor([3]), torch.tensor([2 * 2 + 1]))
+    bs = views[0].shape[2]
+    for layer, v in enumerate(views):
+        want = before[layer].clone()
+        if layer == 2:
+            want[3 // bs, 1, 3 % bs] = before[layer][7 // bs, 1, 7 % bs]
+        assert torch.equal(v, want), layer
+    p = StepPayload(offsets={"a": 3, "b": 0}, scores={"a": COL})
     core.offsets["b"] = 2
     core.begin_step(p)
-    assert all(torch.equal(v, r) for v, r in zip(views, ref))
-    assert core.moves_launched == 1 and core._staging.copies == 2
     assert core.offsets == {"a": 3} and core.score_reqs == {"a": COL} and core.needs_scores()
-    assert p.num_moves == 3  # the caller's payload is not modified
     core.begin_step(None)
-    assert not core.needs_scores() and core.moves_launched == 1
+    assert not core.needs_scores()
 
 
 def test_kernel_block_split_refused():
@@ -292,29 +303,6 @@ def test_worker_builds_the_runner_vllm_picked(monkeypatch, v2, encoder_only, wan
 
 # ---------------------------------------------------------------------- on a GPU (make device-check)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make device-check)")
-
-
-@cuda
-def test_cuda_core_moves_one_launch_from_pinned_staging():
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    from vtoken.kernels import move_tokens_paged_reference
-
-    for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC):
-        _, views = vllm_kv_views(layout, num_layers=3, num_blocks=64, block_size=16, num_kv_heads=2, head_size=64,
-                                 dtype=torch.bfloat16, device="cuda")
-        for v in views:
-            v.copy_(torch.randn(v.shape, device="cuda").to(torch.bfloat16))
-        ref = [v.clone() for v in views]
-        core = _core(views, layout.name)
-        for step in range(4):  # more steps than staging buffers: reuse waits on the previous copy's event
-            perm = torch.randperm(64 * 16, generator=torch.Generator().manual_seed(step))
-            src, dst = perm[:100].numpy(), perm[100:200].numpy()
-            move_tokens_paged_reference(ref, torch.from_numpy(src).cuda(), torch.from_numpy(dst).cuda())
-            core.begin_step(StepPayload(src=src, dst=dst))
-        torch.cuda.synchronize()
-        assert all(torch.equal(v.view(torch.int16), r.view(torch.int16)) for v, r in zip(views, ref))
-        assert core.moves_launched == 4 and core._staging.copies == 8 and core._staging.waits == 6
 
 
 @cuda

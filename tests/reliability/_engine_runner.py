@@ -37,7 +37,8 @@ class FaultHooks(harness.RunHooks):
 
     def __init__(self) -> None:
         self.cur = {"step": 0}
-        self.evict_log: dict[str, list[list[int]]] = {}  # internal id -> [[step, evicted, moves], ...]
+        #: internal id -> [[step, evicted, evicted], ...] (the count the step's payload asks the worker to evict)
+        self.evict_log: dict[str, list[list[int]]] = {}
         self.preempt: dict[str, int] = {}
         self.in_step_abort: dict[str, str] = {}  # internal id -> external id, abort inside the repack step
         self.phase_at_abort: dict[str, dict] = {}
@@ -46,14 +47,6 @@ class FaultHooks(harness.RunHooks):
     # ---- instrumentation (instance attributes shadow the class methods)
     def attach(self, engine, sched) -> None:
         self.engine, self.sched = engine, sched
-        orig_evict = sched._vt_evict
-
-        def _vt_evict(rid, st, *a, **kw):  # pass through whatever the scheduler's signature is
-            e0, m0 = st.evicted, st.moved
-            orig_evict(rid, st, *a, **kw)
-            self.evict_log.setdefault(rid, []).append([self.cur["step"], st.evicted - e0, st.moved - m0])
-
-        sched._vt_evict = _vt_evict
         orig_preempt = sched._preempt_request
 
         def _preempt_request(request, *a, **k):
@@ -65,13 +58,17 @@ class FaultHooks(harness.RunHooks):
 
         def schedule(*a, **k):
             out = orig_schedule(*a, **k)
+            payload = getattr(out, "vtoken", None)
+            # the scheduler counts each eviction (the worker picks the victims and plans the moves)
+            for rid, n in (payload.evict if payload is not None else {}).items():
+                self.evict_log.setdefault(rid, []).append([self.cur["step"], n, n])
             for iid in list(self.in_step_abort):
                 log = self.evict_log.get(iid) or []
                 if log and log[-1][0] == self.cur["step"] and log[-1][2] > 0:
                     payload = getattr(out, "vtoken", None)
                     ph = self._phase(iid)
                     ph.update(step=self.cur["step"], moves_this_step=log[-1][2],
-                              payload_moves=0 if payload is None else int(payload.num_moves),
+                              payload_moves=0 if payload is None else int(payload.evict.get(iid, 0)),
                               truncated=None if payload is None else payload.truncate.get(iid))
                     self.phase_at_abort[self.ext_of[iid]] = ph
                     engine.abort_request([self.in_step_abort.pop(iid)])

@@ -71,11 +71,17 @@ CASES: dict[str, tuple[dict, object, list[str]]] = {
     "pipeline_parallel_2": ({"pipeline_parallel_size": 2}, None, ["--pipeline-parallel-size = 2", "does not support"]),
     "kv_cache_fp8": ({"kv_cache_dtype": "fp8"}, None, ["--kv-cache-dtype = 'fp8'", "does not support",
                                                         "fp32/bf16/fp16"]),
-    # decide_on: worker, with what it does not cover yet (refused by name, never silently switched)
-    "decide_on_bad": ({}, {"decide_on": "gpu"}, ["vtoken.decide_on", "'gpu'", "'scheduler' or 'worker'"]),
+    # decide_on left the options: the removed scheduler path is refused by name, never silently switched
+    "decide_on_scheduler": ({}, {"decide_on": "scheduler"}, ["vtoken.decide_on = 'scheduler'",
+                                                             "the scheduler-side eviction path was removed",
+                                                             "allowed: leave decide_on out"]),
+    "decide_on_bad": ({}, {"decide_on": "gpu"}, ["vtoken.decide_on = 'gpu'", "the option was removed",
+                                                 "allowed: leave decide_on out"]),
 }
 OK_CASES = {"good": ({}, None), "block_size_64": ({"block_size": 64}, None),
             "worker": ({}, {"policy": "h2o", "budget": 64}),
+            # the old name of the one path still starts (with one deprecation line)
+            "decide_on_worker_deprecated": ({}, {"decide_on": "worker", "policy": "h2o", "budget": 64}),
             # Naive-Evict with worker decisions (refused until the worker returned its dead-block counts)
             "worker_naive": ({}, {"mode": "naive", "policy": "h2o", "budget": 64}),
             # prefix caching with worker decisions (refused until a hit became read-only for its sharer)

@@ -12,12 +12,12 @@ block counts are asserted after every step) with the same engine config, a 40-bl
 * the **solo run**: every surviving request alone (one group each).
 
 After every group the pool's free count is back at its start (39) and the scheduler tracks
-no request. Every surviving request's tokens equal its solo run's, except eviction-on
-requests that were preempted: they resume by re-prefilling their live tokens only, whose KV
-is then recomputed without the tokens evicted before (docs/integration.md, "Preemption"), so
-their tokens legitimately differ from the solo run; for them only block accounting is
-asserted here (the per-step checks, the pool count, their full length); their tokens are
-checked against the oracle replaying the preemption in tests/integration/test_engine_preempt.py.
+no request. Every surviving request's tokens equal its solo run's, preempted ones included:
+a preempted eviction-on request resumes with the live K/V and policy state the worker saved
+(docs/integration.md, "Preemption"). The engine keeps ``prefill_eviction: after`` here: with
+``chunks`` a prompt is cut wherever vLLM's load-dependent chunk boundaries fall, so a batch and a
+solo run may cut a long prompt at different points (a known limit of the default, named in
+docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from execution_paths import EXPECTED, path_env
 
 pytestmark = pytest.mark.engine
 
-VT = {"policy": "h2o", "budget": 40, "slack": 0}
+VT = {"policy": "h2o", "budget": 40, "slack": 0, "prefill_eviction": "after"}
 OFF = {"vtoken_enable": False}
 
 
@@ -194,11 +194,8 @@ def test_preemption_storm(batch_run, solo_run):
     for r in STORM:
         rid = r["id"]
         assert g["finish"][rid] == "length" and len(g["tokens"][rid]) == r["max_tokens"], rid
-        if rid.startswith("s-off") or pre[rid] == 0:
-            # eviction off (even when preempted), or eviction on and never preempted: exact
-            assert g["tokens"][rid] == solo_run[rid], f"{rid} (preempted {pre[rid]}x)"
-        # eviction on and preempted: resumed with its live tokens; block accounting only
-        # (VTOKEN_CHECK per step, the pool count in test_pool_back_to_start_and_nothing_tracked)
+        # eviction off (recomputed) and eviction on (its K/V saved and restored): exact
+        assert g["tokens"][rid] == solo_run[rid], f"{rid} (preempted {pre[rid]}x)"
 
 
 # ---------------------------------------------------------------------- vLLM's default path
@@ -229,8 +226,7 @@ def test_mrv2_async_aborts_storm_and_isolation(async_runs):
     aborts at every phase (waiting, mid chunked prefill, right after an eviction, inside the step
     whose schedule() planned moves, mid-decode) lose nothing; the survivors, the mixed batch and
     the storm's never-preempted and eviction-off requests equal their solo runs on the same path;
-    the storm preempts both kinds. (Exact step numbers differ from the sync path: a scoring policy
-    first evicts at the second decode step, see vtoken/score_lag.py.)"""
+    the storm preempts both kinds; every storm request equals its solo run."""
     batch, solo = async_runs
     for name, g in batch.items():
         assert g["free_blocks_end"] == g["free_blocks_start"] == g["num_blocks"] - 1, name
@@ -254,5 +250,4 @@ def test_mrv2_async_aborts_storm_and_isolation(async_runs):
     for r in STORM:
         rid = r["id"]
         assert g["finish"][rid] == "length" and len(g["tokens"][rid]) == r["max_tokens"], rid
-        if rid.startswith("s-off") or pre[rid] == 0:
-            assert g["tokens"][rid] == solo[rid], f"{rid} (preempted {pre[rid]}x)"
+        assert g["tokens"][rid] == solo[rid], f"{rid} (preempted {pre[rid]}x)"

@@ -208,7 +208,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     (the paper's ``n_sink``: the first keys are kept), ``n_future = 512`` (the paper's
     default), ``recent_tokens = 0``, ``slack = 0``.
 
-    Needs: ``AttentionNeed.QUERY_MOMENTS`` every step (``decide_on: worker``, ``score_every: 1``;
+    Needs: ``AttentionNeed.QUERY_MOMENTS`` every step (on the worker, ``score_every: 1``;
     refused by name otherwise).
 
     Departures from the paper:
@@ -229,7 +229,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "expected_attention"
     needs: ClassVar[AttentionNeed] = AttentionNeed.QUERY_MOMENTS
-    #: scores from the cached keys right before each eviction (``decide_on: worker`` only)
+    #: scores from the cached keys right before each eviction (on the worker)
     eviction_keys: ClassVar[bool] = True
     #: the prompt's queries are in the moments: a prefix-cache hit skips them, so it is kept
     prompt_statistics: ClassVar[bool] = True

@@ -64,14 +64,14 @@ class KeyDiffPolicy(EvictionPolicy):
     step).
 
     Defaults: ``granularity = head`` (the paper scores each head's cache by its own anchor;
-    ``decide_on: worker`` only), no protections (``sink_tokens = 0``, ``recent_tokens = 0``,
+    on the worker), no protections (``sink_tokens = 0``, ``recent_tokens = 0``,
     as the paper), ``slack = 0``.
 
     Departures from the paper:
 
     * The paper evicts block-wise while prefilling (a prompt chunk at a time); vToken evicts
       before a decode step once the request is over its budget, and, with ``prefill_eviction:
-      chunks`` (the default under ``decide_on: worker``), before each prefill chunk too. Either
+      chunks`` (the default), before each prefill chunk too. Either
       way the anchor covers the whole live cache at that moment.
     * With ``granularity`` other than ``head`` a set ranks the mean similarity of its heads.
     * Ties go to the smaller logical position (evicted first); a zero key has no cosine and
@@ -80,7 +80,7 @@ class KeyDiffPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "keydiff"
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
-    #: scores from the cached keys right before each eviction (``decide_on: worker`` only)
+    #: scores from the cached keys right before each eviction (on the worker)
     eviction_keys: ClassVar[bool] = True
 
     @classmethod

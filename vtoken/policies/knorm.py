@@ -51,13 +51,12 @@ class KNormPolicy(EvictionPolicy):
     set the norm is their mean (``docs/granularity.md``).
 
     Defaults: ``granularity = head`` (the paper compresses each head's cache by its own norms;
-    ``decide_on: worker`` only), no protections (``sink_tokens = 0``, ``recent_tokens = 0``;
+    on the worker), no protections (``sink_tokens = 0``, ``recent_tokens = 0``;
     the paper ranks every token by its norm: the first tokens, whose keys have small norms,
     survive by that rule), ``slack = 0``.
 
     Needs: ``AttentionNeed.KEY_NORM``: the norms of the keys written in each step, computed on
-    the worker from the keys the attention layer receives (no pass over the KV cache). Runs
-    only under ``decide_on: worker`` (the config refuses it on the scheduler path).
+    the worker from the keys the attention layer receives (no pass over the KV cache).
 
     Departures from the paper:
 

@@ -38,7 +38,7 @@ class ScissorhandsPolicy(EvictionPolicy):
     below uniform at that step) and the ring index ``state.extra["ring"]``. A step
     with ``stats.last_row`` overwrites the oldest row; tokens absent at a step (not
     yet written) count 0 for it. Score: ``-count`` (higher = keep). The batched worker
-    path (``decide_on: worker``) keeps the same window packed: per slot and token set,
+    path keeps the same window packed: per slot and token set,
     ``ceil(window / 64)`` int64 words (bit ``j`` of word ``w`` = ring row ``64 w + j``) and
     the running count (int32), so a step reads and writes one word and one count per slot
     (12 bytes per slot and set at ``window <= 64``, not ``window`` booleans).
@@ -69,12 +69,10 @@ class ScissorhandsPolicy(EvictionPolicy):
 
     Departures from the paper:
 
-    * Token sets (``granularity``, ``docs/granularity.md``): by default, under
-      ``decide_on: worker``, one set per (layer, KV head), as the paper budgets each
+    * Token sets (``granularity``, ``docs/granularity.md``): by default one set per (layer, KV head), as the paper budgets each
       head, with the row of a KV head the mean over its query heads before the
       ``< 1/t`` test (a mean keeps each row a distribution, so the test keeps its
-      meaning). ``layer``, ``head_shared`` and ``request`` (the only one under
-      ``decide_on: scheduler``) average over the layer's, the KV head's across layers,
+      meaning). ``layer``, ``head_shared`` and ``request`` average over the layer's, the KV head's across layers,
       or every query head.
     * The prompt contributes a single history row (its last query row), not one row
       per prompt query.

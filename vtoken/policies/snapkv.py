@@ -70,14 +70,14 @@ class SnapKVPolicy(EvictionPolicy):
 
     Defaults: ``window = min(32, max(1, budget // 4))`` (the paper's 32, reduced for small
     budgets), ``kernel = 7``, ``recent_tokens`` = the default window (the observation window is
-    always kept), no sinks, ``granularity = head`` (the paper selects per head; ``decide_on:
-    worker`` only: the worker reads ``window`` from the request's policy), ``slack = 0``.
+    always kept), no sinks, ``granularity = head`` (the paper selects per head; the
+    worker reads ``window`` from the request's policy), ``slack = 0``.
 
     Departures from the paper:
 
     * Average pooling only (the paper offers max and average; its code defaults to average).
     * The decode rule above (the paper keeps every generated token uncompressed).
-    * With ``prefill_eviction: chunks`` (the default under ``decide_on: worker``) the prompt is
+    * With ``prefill_eviction: chunks`` (the default) the prompt is
       cut between prefill chunks, each chunk's last ``window`` queries scoring it (the paper
       compresses the whole prompt once, from its last queries); with ``after`` the window is the
       prompt's last queries, as in the paper.

@@ -35,10 +35,8 @@ class TOVAPolicy(EvictionPolicy):
 
     Departures from the paper:
 
-    * Token sets (``granularity``, ``docs/granularity.md``): by default, under
-      ``decide_on: worker``, one set per layer, as the paper, with the row averaged
-      over the layer's query heads. ``request`` (the only one under ``decide_on:
-      scheduler``) averages over layers too; ``head`` and ``head_shared`` keep a set
+    * Token sets (``granularity``, ``docs/granularity.md``): by default one set per layer, as the paper, with the row averaged
+      over the layer's query heads. ``request`` averages over layers too; ``head`` and ``head_shared`` keep a set
       per KV head.
     * Ties go to the smaller logical position (evicted first).
     """

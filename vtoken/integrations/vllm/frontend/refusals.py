@@ -132,7 +132,7 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
     r = _BY_KEY[key]
     # the one error format (vtoken.config): "<where> = <value>: <problem>"
     extra = f"; {detail}" if detail else ""
-    if r.option.startswith(("--", "vtoken.")) or r.key == "platform":
+    if r.option.startswith(("--", "vtoken.")) or r.key in ("platform", "cuda_unvalidated"):
         option = r.option.split(" ", 1)[0]
         raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
     raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")

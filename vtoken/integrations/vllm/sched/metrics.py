@@ -18,7 +18,7 @@ name                                kind     meaning
 ``vtoken:evictions_total``          counter  eviction events (one per request and step)
 ``vtoken:repack_seconds_total``     counter  time spent on eviction (scheduler counts, worker selects and moves)
 ``vtoken:preemption_resets_total``  counter  vLLM preempted a vToken request (resumed with its saved K/V)
-``vtoken:request_faults_total``     counter  requests whose eviction was turned off by a fault confined to them
+``vtoken:request_faults_total``     counter  faults confined to one request (a worker fault ends it with an error)
 ``vtoken:tokens_above_budget``      gauge    pressure pacing: live tokens kept above budget
 ``vtoken:pressure_events_total``    counter  pressure pacing: steps where the pool was short
 ``vtoken:pressure_evictions_total`` counter  pressure pacing: eviction events under pressure
@@ -117,7 +117,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                     "Prefix caching with prefix_hits skip: requests that did not read the prefix "
                                     "cache (their policy cannot take a hit exactly; they computed their prompt)."),
     "vtoken:request_faults": ("request_faults",
-                              "Requests whose eviction was turned off by a fault confined to them (see the log)."),
+                              "Faults confined to one request (see the log): a bad override turns its eviction "
+                              "off; a failure on the worker (policy exception, non-finite statistics) ends it with "
+                              "an error."),
 }
 
 #: histogram name -> (key of ``RequestState.lifetime()``, help, bucket upper bounds); observed once

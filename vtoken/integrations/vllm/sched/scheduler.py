@@ -22,10 +22,13 @@ workers, which select, move and fold statistics on the device. Whether a request
 prefill, and so when eviction starts, is decided here from scheduler state, never from when
 outputs arrive, so async and sync scheduling make the same decisions.
 
-A preempted request's state is dropped, here and on the worker: it restarts from its prompt.
-A fault confined to one request (a bad override, a failure while freeing its blocks) turns
-eviction off for that request only, logs an error naming it and counts it in
-``vtoken:request_faults_total``; every other request continues untouched.
+A preempted request keeps its state under ``mode: vtoken``: the worker saves its live K/V and
+policy state and restores them when vLLM resumes it, which recomputes nothing
+(:meth:`_preempt_request`); under ``mode: naive`` it restarts from its prompt. A fault confined
+to one request is logged naming it and counted in ``vtoken:request_faults_total``: a bad
+override or a failure here turns eviction off for that request; a failure on the worker (a
+policy exception, non-finite statistics) ends the request with an error; every other request
+continues untouched.
 """
 
 from __future__ import annotations

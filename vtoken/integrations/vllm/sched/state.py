@@ -30,8 +30,9 @@ def cdiv(a: int, b: int) -> int:
 class RequestState:
     """vToken's state for one request (keyed by request id, never by batch row).
 
-    A state is made when a request is first scheduled; a preemption drops it, and a new one
-    is made when the request is scheduled again (it restarts from its prompt). Its ``table``
+    A state is made when a request is first scheduled. A preemption keeps it under ``mode:
+    vtoken`` (the worker saves and restores the request's live K/V) and drops it under ``mode:
+    naive`` (a new one is made when the request, restarting from its prompt, is scheduled again). Its ``table``
     (live and logical counts) and ``naive`` (Naive-Evict's retained blocks, from the worker's
     reports) are set by the subclass that keeps the counts
     (:class:`~vtoken.integrations.vllm.sched.counts.CountState`).

@@ -21,7 +21,12 @@ the TP group) are folded into the side cache; no statistic goes back to the sche
 Naive-Evict's changed freed-block counts (:meth:`take_naive_freed`). Every TP rank
 runs the same deterministic selection on the same statistics, so all ranks hold the same tables.
 
-A preempted request's state is dropped here as in the scheduler: it restarts from its prompt.
+A preempted request whose state the scheduler keeps (``StepPayload.suspend``, ``mode: vtoken``)
+has its side-cache state saved (:meth:`_suspend`; the caller saves its K/V) and restored into the
+blocks vLLM gives it at the resume (:meth:`_resume`); any other preempted request is dropped and
+restarts from its prompt. A failure while deciding or folding for one request (a policy
+exception, non-finite statistics) is confined to it (:meth:`_fault`): its state is dropped and
+the scheduler ends it with an error.
 
 **Prefix caching.** The side caches are indexed by KV slot, so requests that hold the same cached
 blocks (a hit) would share those slots' policy state. A request's hit is therefore read-only for

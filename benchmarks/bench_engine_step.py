@@ -1,0 +1,279 @@
+"""Where vToken's decode-step time goes in a real engine: stock vLLM vs vToken, side by side.
+
+Each arm runs its own in-process engine (``drivers.harness.run_in_subprocess``: a fresh process,
+UniProc executor, so the worker runs in the timed process), arms alternated (A B, B A, ...)
+over ``--reps`` repetitions in one run; the load average is recorded per run. Workload: ``--batch``
+requests arrive together, ``--prompt-len`` seeded random token ids each, ``--output-len`` forced
+output tokens (greedy, ``ignore_eos``); a pool with room for everything (no preemption). Only
+decode-only steps (every scheduled request computes one token, at least ``--batch`` / 2 of them)
+are counted, so the figures are per decode step at about that batch.
+
+Per step the hooks (:class:`StepHooks`, in the engine's process) time, with ``perf_counter``
+wrappers (a few microseconds per call):
+
+* ``step``      -- ``LLMEngine.step()``;
+* ``schedule``  -- ``Scheduler.schedule()`` (vLLM's scheduling plus vToken's counts);
+* ``update``    -- ``Scheduler.update_from_output()``;
+* ``executor``  -- the executor's ``execute_model`` + ``sample_tokens`` (the worker), of which
+  vToken's parts: ``begin`` (``WorkerDecisions.begin``: select, plan, side-cache moves, append),
+  ``kv_moves`` (``VTokenWorkerCore._apply_set_moves``: K/V moves in every layer),
+  ``begin_step`` (``VTokenWorkerCore.begin_step``, containing the two before),
+  ``start_scoring``, ``scoring_layers`` (``StepScores.accumulate``, in the attention wrapper,
+  every layer), ``scoring_result`` (``StepScores.result``: the deferred one-query rows and the
+  packing), ``fold`` (``WorkerDecisions.fold``), ``naive`` (``WorkerDecisions.take_naive_freed``),
+  ``physical`` (``_vt_physical_inputs``: physical ``seq_lens`` and slot mapping);
+* ``forward``   -- ``executor`` minus every vToken part above (the model and sampling, stock's work).
+
+``--profile`` adds one more vToken run per repetition under ``cProfile`` (decode steps only, after
+the first): the functions ranked by own time and the vToken functions by cumulative time.
+
+Writes ``benchmarks/results/<name>.json``.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_engine_step.py                       # tiny fp32, batch 48, 2 reps
+    .venv/bin/python benchmarks/bench_engine_step.py --batch 32 --reps 3 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import RESULTS, machine_info  # noqa: E402
+
+from drivers.harness import RunHooks  # noqa: E402
+
+#: vToken's timed parts (nested: begin and kv_moves are inside begin_step)
+VT_PARTS = ("begin_step", "begin", "kv_moves", "start_scoring", "physical", "scoring_layers", "scoring_result",
+            "fold", "naive")
+#: the parts that sum to the executor's vToken time (no double counting)
+VT_DISJOINT = ("begin_step", "start_scoring", "physical", "scoring_layers", "scoring_result", "fold", "naive")
+PARTS = ("step", "schedule", "update", "executor", "forward", *VT_PARTS)
+
+
+class StepHooks(RunHooks):
+    """Times the parts of every engine step (module docstring); in the harness process."""
+
+    profile = False
+
+    def attach(self, engine, sched) -> None:
+        from vtoken.integrations.vllm.worker import core as worker_core
+        from vtoken.integrations.vllm.worker import decisions, scoring
+        from vtoken.integrations.vllm.worker import runner_v1
+
+        self.steps: list[dict[str, float]] = []
+        self.cur: dict[str, float] = {}
+        self.prof = cProfile.Profile() if self.profile or os.environ.get("VT_BENCH_PROFILE") else None
+        self.profiling = False
+        self.seen_decode = False
+
+        def timed(fn, key):
+            def w(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.cur[key] = self.cur.get(key, 0.0) + time.perf_counter() - t0
+            w.__wrapped__ = fn
+            return w
+
+        for cls, name, key in ((scoring.StepScores, "accumulate", "scoring_layers"),
+                               (scoring.StepScores, "result", "scoring_result"),
+                               (worker_core.VTokenWorkerCore, "begin_step", "begin_step"),
+                               (worker_core.VTokenWorkerCore, "_apply_set_moves", "kv_moves"),
+                               (worker_core.VTokenWorkerCore, "start_scoring", "start_scoring"),
+                               (decisions.WorkerDecisions, "begin", "begin"),
+                               (decisions.WorkerDecisions, "fold", "fold"),
+                               (decisions.WorkerDecisions, "take_naive_freed", "naive"),
+                               (runner_v1.VTokenV1Adapter, "_vt_physical_inputs", "physical")):
+            setattr(cls, name, timed(getattr(cls, name), key))
+        core = engine.engine_core.engine_core
+        ex = core.model_executor
+        for name in ("execute_model", "sample_tokens"):
+            if hasattr(ex, name):
+                setattr(ex, name, timed(getattr(ex, name), "executor"))
+        orig_schedule = sched.schedule
+
+        def schedule(*a, **k):
+            t0 = time.perf_counter()
+            out = orig_schedule(*a, **k)
+            self.cur["schedule"] = self.cur.get("schedule", 0.0) + time.perf_counter() - t0
+            n = out.num_scheduled_tokens
+            self.cur["decode_only"] = float(bool(n) and all(v == 1 for v in n.values()))
+            self.cur["batch"] = float(len(n))
+            return out
+
+        sched.schedule = schedule
+        sched.update_from_output = timed(sched.update_from_output, "update")
+
+    def before_step(self, run) -> None:
+        self.cur.clear()
+        if self.prof is not None and self.seen_decode:
+            self.prof.enable()
+            self.profiling = True
+        self.t0 = time.perf_counter()
+
+    def after_step(self, run) -> None:
+        t = time.perf_counter() - self.t0
+        if self.profiling:
+            self.prof.disable()
+            self.profiling = False
+        c = dict(self.cur)
+        c["step"] = t
+        self.steps.append(c)
+        if c.get("decode_only"):
+            self.seen_decode = True
+
+    def finish(self, out: dict[str, Any]) -> None:
+        out["steps_timed"] = self.steps
+        if self.prof is not None:
+            out["profile"] = profile_summary(self.prof)
+
+
+class ProfileHooks(StepHooks):
+    profile = True
+
+
+def profile_summary(prof: cProfile.Profile, top: int = 40) -> dict[str, Any]:
+    """Own-time ranking (every function) and cumulative times of vToken's functions."""
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append(dict(func=f"{_short(file)}:{line}:{func}", calls=nc, tottime_s=round(tt, 4), cumtime_s=round(ct, 4)))
+    own = sorted(rows, key=lambda r: -r["tottime_s"])[:top]
+    vt = sorted((r for r in rows if r["func"].startswith("vtoken/")), key=lambda r: -r["cumtime_s"])[:top]
+    total = sum(r["tottime_s"] for r in rows)
+    return dict(total_s=round(total, 3), by_own_time=own, vtoken_by_cumulative=vt)
+
+
+def _short(file: str) -> str:
+    for mark in ("/vtoken/", "/vllm/", "/torch/", "/benchmarks/", "/drivers/"):
+        i = file.rfind(mark)
+        if i >= 0:
+            return file[i + 1:]
+    return file
+
+
+def make_spec(model_dir: str, dtype: str, vocab: tuple[int, int], vt: dict | None, *, batch: int, prompt_len: int,
+              output_len: int, block_size: int, hooks: str) -> dict:
+    rng = random.Random(0)
+    reqs = [dict(id=f"r{i}", prompt_token_ids=[rng.randrange(*vocab) for _ in range(prompt_len)],
+                 max_tokens=output_len, ignore_eos=True) for i in range(batch)]
+    blocks = batch * ((prompt_len + output_len) // block_size + 2) + 16  # room for everything: no preemption
+    engine = dict(model=model_dir, dtype=dtype, max_model_len=prompt_len + output_len + block_size,
+                  block_size=block_size, enforce_eager=True, gpu_memory_utilization=0.1,
+                  kv_cache_memory_bytes=256 << 20, num_gpu_blocks_override=blocks, skip_tokenizer_init=True,
+                  max_num_seqs=max(batch, 8), max_num_batched_tokens=max(2048, prompt_len))
+    return dict(engine=engine, vtoken=vt, requests=reqs, check=False, hooks=f"{Path(__file__).resolve()}:{hooks}")
+
+
+def split(steps: list[dict], min_batch: int) -> dict[str, Any]:
+    rows = [s for s in steps if s.get("decode_only") and s.get("batch", 0) >= min_batch]
+    n = len(rows)
+    if not n:
+        return dict(decode_steps=0)
+    med = {}
+    for p in PARTS:
+        if p == "forward":
+            vals = [s.get("executor", 0.0) - sum(s.get(q, 0.0) for q in VT_DISJOINT) for s in rows]
+        else:
+            vals = [s.get(p, 0.0) for s in rows]
+        med[p] = dict(median_ms=1000 * statistics.median(vals), mean_ms=1000 * statistics.fmean(vals))
+    return dict(decode_steps=n, batch_mean=statistics.fmean(s["batch"] for s in rows), parts=med)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vtoken", default='{"policy": "h2o", "budget": 64}', help="the vToken arm's config (JSON)")
+    ap.add_argument("--profile", action="store_true", help="one more cProfile'd vToken run per repetition")
+    ap.add_argument("--name", default="engine_step")
+    a = ap.parse_args(argv)
+
+    from vtoken.assets.paths import ensure_smollm2, ensure_tiny_model
+    from drivers.harness import run_in_subprocess
+
+    if a.model == "tiny":
+        mdir, dtype, vocab = str(ensure_tiny_model()), "float32", (0, 256)
+    else:
+        mdir, dtype, vocab = str(ensure_smollm2()), "bfloat16", (100, 49000)
+    arms = {"stock": None, "vtoken": json.loads(a.vtoken)}
+    env = {"OMP_NUM_THREADS": str(a.threads)}
+    doc: dict[str, Any] = dict(bench="bench_engine_step", command="python " + " ".join(["benchmarks/bench_engine_step.py"] + argv),
+                               machine=machine_info(), loadavg_before=list(os.getloadavg()),
+                               config=dict(model=a.model, batch=a.batch, prompt_len=a.prompt_len,
+                                           output_len=a.output_len, block_size=a.block_size, reps=a.reps,
+                                           threads=a.threads, arms=arms,
+                                           metric="per decode-only step (batch >= half of --batch), median over "
+                                                  "the run's steps; parts nested as in the module docstring"),
+                               runs=[], profiles=[])
+    t_start = time.time()
+    for rep in range(a.reps):
+        order = list(arms) if rep % 2 == 0 else list(reversed(arms))
+        for arm in order:
+            spec = make_spec(mdir, dtype, vocab, arms[arm], batch=a.batch, prompt_len=a.prompt_len,
+                             output_len=a.output_len, block_size=a.block_size, hooks="StepHooks")
+            la = os.getloadavg()[0]
+            out = run_in_subprocess(spec, env=env, timeout=1800)
+            s = split(out["steps_timed"], a.batch // 2)
+            run = dict(rep=rep, arm=arm, load_average_1m=la, **s)
+            doc["runs"].append(run)
+            p = s.get("parts", {})
+            print(f"rep {rep} {arm:>7}: {s['decode_steps']} decode steps, step {p.get('step', {}).get('median_ms', 0):.2f} ms "
+                  f"(load {la:.2f}); " + ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in p.items() if v['median_ms'] > 0.005),
+                  flush=True)
+        if a.profile:
+            spec = make_spec(mdir, dtype, vocab, arms["vtoken"], batch=a.batch, prompt_len=a.prompt_len,
+                             output_len=a.output_len, block_size=a.block_size, hooks="ProfileHooks")
+            out = run_in_subprocess(spec, env=env, timeout=1800)
+            doc["profiles"].append(dict(rep=rep, load_average_1m=os.getloadavg()[0], **out["profile"]))
+            prof = out["profile"]
+            print(f"profile rep {rep}: total {prof['total_s']} s; top own time:")
+            for r in prof["by_own_time"][:15]:
+                print(f"  {r['tottime_s']:8.3f} s {r['calls']:>8} {r['func']}")
+            print("  vtoken cumulative:")
+            for r in prof["vtoken_by_cumulative"][:25]:
+                print(f"  {r['cumtime_s']:8.3f} s {r['calls']:>8} {r['func']}")
+    res = {}
+    for arm in arms:
+        rs = [r for r in doc["runs"] if r["arm"] == arm and r.get("decode_steps")]
+        res[arm] = {p: statistics.median(r["parts"][p]["median_ms"] for r in rs) for p in PARTS}
+    ratios = [v["parts"]["step"]["median_ms"] / s["parts"]["step"]["median_ms"]
+              for rep in range(a.reps)
+              for v in doc["runs"] if v["rep"] == rep and v["arm"] == "vtoken"
+              for s in doc["runs"] if s["rep"] == rep and s["arm"] == "stock"]
+    doc["results"] = dict(median_ms=res, step_ratio_per_rep=ratios,
+                          step_ratio_median=statistics.median(ratios) if ratios else None)
+    doc["loadavg_after"] = list(os.getloadavg())
+    doc["total_wall_s"] = round(time.time() - t_start, 1)
+    path = RESULTS / f"{a.name}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"\n{'part':>15} | " + " | ".join(f"{arm:>9}" for arm in arms) + "   (median ms per decode step)")
+    for p in PARTS:
+        print(f"{p:>15} | " + " | ".join(f"{res[arm][p]:9.3f}" for arm in arms))
+    print(f"vtoken / stock step: {ratios} (median {doc['results']['step_ratio_median']})")
+    print(f"wrote {path} ({doc['total_wall_s']} s; load {doc['loadavg_before']} -> {doc['loadavg_after']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
