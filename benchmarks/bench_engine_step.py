@@ -24,8 +24,9 @@ wrappers (a few microseconds per call):
   ``physical`` (``_vt_physical_inputs``: physical ``seq_lens`` and slot mapping);
 * ``forward``   -- ``executor`` minus every vToken part above (the model and sampling, stock's work).
 
-``--profile`` adds one more vToken run per repetition under ``cProfile`` (decode steps only, after
-the first): the functions ranked by own time and the vToken functions by cumulative time.
+``--profile`` adds one more run of each arm per repetition under ``cProfile`` (the steps after the
+first decode step): the functions ranked by own time and by cumulative time, and the vToken
+functions by cumulative time.
 
 Writes ``benchmarks/results/<name>.json``.
 
@@ -154,8 +155,9 @@ def profile_summary(prof: cProfile.Profile, top: int = 40) -> dict[str, Any]:
         rows.append(dict(func=f"{_short(file)}:{line}:{func}", calls=nc, tottime_s=round(tt, 4), cumtime_s=round(ct, 4)))
     own = sorted(rows, key=lambda r: -r["tottime_s"])[:top]
     vt = sorted((r for r in rows if r["func"].startswith("vtoken/")), key=lambda r: -r["cumtime_s"])[:top]
+    cum = sorted(rows, key=lambda r: -r["cumtime_s"])[:2 * top]
     total = sum(r["tottime_s"] for r in rows)
-    return dict(total_s=round(total, 3), by_own_time=own, vtoken_by_cumulative=vt)
+    return dict(total_s=round(total, 3), by_own_time=own, vtoken_by_cumulative=vt, by_cumulative=cum)
 
 
 def _short(file: str) -> str:
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vtoken", default='{"policy": "h2o", "budget": 64}', help="the vToken arm's config (JSON)")
-    ap.add_argument("--profile", action="store_true", help="one more cProfile'd vToken run per repetition")
+    ap.add_argument("--profile", action="store_true", help="one more cProfile'd run of each arm per repetition")
     ap.add_argument("--name", default="engine_step")
     a = ap.parse_args(argv)
 
@@ -241,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rep {rep} {arm:>7}: {s['decode_steps']} decode steps, step {p.get('step', {}).get('median_ms', 0):.2f} ms "
                   f"(load {la:.2f}); " + ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in p.items() if v['median_ms'] > 0.005),
                   flush=True)
-        if a.profile:
-            spec = make_spec(mdir, dtype, vocab, arms["vtoken"], batch=a.batch, prompt_len=a.prompt_len,
+        for arm in (order if a.profile else ()):
+            spec = make_spec(mdir, dtype, vocab, arms[arm], batch=a.batch, prompt_len=a.prompt_len,
                              output_len=a.output_len, block_size=a.block_size, hooks="ProfileHooks")
             out = run_in_subprocess(spec, env=env, timeout=1800)
-            doc["profiles"].append(dict(rep=rep, load_average_1m=os.getloadavg()[0], **out["profile"]))
+            doc["profiles"].append(dict(rep=rep, arm=arm, load_average_1m=os.getloadavg()[0], **out["profile"]))
             prof = out["profile"]
-            print(f"profile rep {rep}: total {prof['total_s']} s; top own time:")
+            print(f"profile rep {rep} {arm}: total {prof['total_s']} s; top own time:")
             for r in prof["by_own_time"][:15]:
                 print(f"  {r['tottime_s']:8.3f} s {r['calls']:>8} {r['func']}")
             print("  vtoken cumulative:")

@@ -362,13 +362,12 @@ def run_oracle_matrix(deadline: Deadline, part_s: float) -> dict[str, Any]:
         res["differing_requests"] = diff
     route = runs.get("cuda_graphs", {}).get("route") or {}
     res["full_graph_on_scored_steps"] = (route.get("modes") or {}).get("FULL", 0) if route else None
-    # the dense oracle (float32 on the GPU), replaying the score lag of the path the engine took
+    # the dense oracle (float32 on the GPU); async scheduling decides as sync
     if ran and end - time.monotonic() > 10:
         try:
             from vtoken.config import parse_config, parse_request_overrides
             from vtoken.oracle import load_oracle_model, oracle_generate
 
-            lag = 1 if (runs[ran[-1]].get("paths") or {}).get("async_scheduling") else 0
             m = load_oracle_model(model, dtype=torch.float32, device="cpu" if DRY_RUN_CPU else "cuda")
             base = parse_config(BASE_VTOKEN)
             agree = {n: 0 for n in ran}
@@ -377,11 +376,11 @@ def run_oracle_matrix(deadline: Deadline, part_s: float) -> dict[str, Any]:
                 if end - time.monotonic() < 3:
                     break
                 cfg = parse_request_overrides(r["extra_args"]).apply(base)
-                ref = list(oracle_generate(m, r["prompt_token_ids"], NEW_TOKENS, cfg, score_lag=lag).token_ids)
+                ref = list(oracle_generate(m, r["prompt_token_ids"], NEW_TOKENS, cfg).token_ids)
                 done += 1
                 for n in ran:
                     agree[n] += int(runs[n]["tokens"].get(r["id"]) == ref)
-            res["oracle"] = dict(score_lag=lag, compared=done, equal_to_oracle=agree,
+            res["oracle"] = dict(compared=done, equal_to_oracle=agree,
                                  note="engine bf16 vs oracle float32: agreement is reported, not required")
         except Exception as exc:  # noqa: BLE001
             res["oracle"] = dict(error=f"{type(exc).__name__}: {exc}")

@@ -39,9 +39,6 @@ EXPECTED = {
                        use_v2_model_runner=True, async_scheduling=True, batch_queue=2),
 }
 
-#: request-steps by which attention statistics reach the policies late on each path
-SCORE_LAG = {"v1-sync": 0, "mrv2-sync": 0, "mrv2-async": 1}
-
 
 def path_env(name: str) -> dict[str, str]:
     """Environment variables that select execution path ``name`` in a child process."""

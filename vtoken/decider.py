@@ -98,9 +98,14 @@ class SideCache:
         return {k: (t := self.fields[k]).index_select(1, flat).view(t.shape[0], *slots.shape, *t.shape[2:])
                 for k in (self.fields if names is None else names)}
 
-    def scatter(self, slots: torch.Tensor, mask: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+    def scatter(self, slots: torch.Tensor, mask: Optional[torch.Tensor], values: dict[str, torch.Tensor]) -> None:
         """Write ``values[name][:, mask]`` (``[num_sets, R, N, *lead]``) back to ``slots[mask]``
-        (bool ``mask`` ``[R, N]``), in every set."""
+        (bool ``mask`` ``[R, N]``; None: every slot, which must then be distinct), in every set."""
+        if mask is None:
+            at = slots.reshape(-1)
+            for k, v in values.items():
+                self.fields[k].index_copy_(1, at, v.reshape(v.shape[0], at.shape[0], *v.shape[3:]))
+            return
         at = slots[mask]
         for k, v in values.items():
             self.fields[k].index_copy_(1, at, v[:, mask])
@@ -129,6 +134,8 @@ class Eviction(NamedTuple):
             position is their per-row minimum); with several sets, every set's victims.
         sets: int64 ``[M]``: the token set of each move (all 0 with one set); a move of set
             ``s`` applies to the (layer, KV head) pairs that set covers (``docs/granularity.md``).
+        live_as_expected: with :meth:`DeviceDecider.evict`'s ``expect_live``: whether every
+            request kept exactly that many tokens (else None).
     """
 
     src: torch.Tensor
@@ -140,6 +147,7 @@ class Eviction(NamedTuple):
     evicted_pos: torch.Tensor
     evicted_rows: torch.Tensor
     sets: torch.Tensor
+    live_as_expected: Optional[bool] = None
 
 
 class DeviceDecider:
@@ -179,6 +187,7 @@ class DeviceDecider:
         #: grown (doubling) to the widest logical block index any request evicted: 4 bytes per
         #: row and logical block of the longest request, not counted in the side cache's bytes
         self.dead = torch.zeros((max_requests, 0), dtype=torch.int32, device=device)
+        self._cols_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def ensure_rows(self, n: int) -> None:
         """Make room for request rows ``0..n-1`` (new rows start empty)."""
@@ -205,16 +214,33 @@ class DeviceDecider:
             return v.repeat(self.num_sets)
         return v
 
-    def _slots(self, rows: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(self, rows: torch.Tensor, block_table: torch.Tensor, n: int,
+               live: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slots ``[R, n]`` of each row's request-relative slots ``0..n-1`` (padding slots
-        point at slot 0 of the row's first block) and the live mask."""
+        point at slot 0 of the row's first block) and the live mask (``live``: ``self.live[rows]``
+        when the caller has it)."""
         bs = self.block_size
-        cols = torch.arange(n, device=rows.device)
-        live = self.live[rows]
+        cols, col_blk, col_off = self._cols(n)
+        if live is None:
+            live = self.live[rows]
         mask = cols[None, :] < live[:, None]
-        col_blocks = torch.where(mask, cols[None, :] // bs, 0)
-        slots = block_table.gather(1, col_blocks).to(torch.int64) * bs + torch.where(mask, cols[None, :] % bs, 0)
+        slots = block_table.gather(1, torch.where(mask, col_blk, 0)).to(torch.int64) * bs + torch.where(mask, col_off, 0)
         return slots, mask
+
+    def _slots_full(self, block_table: torch.Tensor, n: int) -> torch.Tensor:
+        """Global slots ``[R, n]`` of slots ``0..n-1`` of each row, every one of them live."""
+        _, col_blk, col_off = self._cols(n)
+        return block_table[:, col_blk].to(torch.int64) * self.block_size + col_off
+
+    def _cols(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``arange(n)``, ``// B`` and ``% B`` of it on the decider's device (made once per ``n``)."""
+        got = self._cols_cache.get(n)
+        if got is None:
+            cols = torch.arange(n, device=self.live.device)
+            got = self._cols_cache[n] = (cols, cols // self.block_size, cols % self.block_size)
+            if len(self._cols_cache) > 64:
+                self._cols_cache.pop(next(iter(self._cols_cache)))
+        return got
 
     def reset(self, rows: torch.Tensor) -> None:
         """New requests (or a request whose state is dropped) at ``rows``: nothing live."""
@@ -258,38 +284,53 @@ class DeviceDecider:
         :meth:`reset`."""
         self.shared[rows] = n
 
-    def append(self, rows: torch.Tensor, block_table: torch.Tensor, counts: torch.Tensor) -> None:
+    def append(self, rows: torch.Tensor, block_table: torch.Tensor, counts: torch.Tensor, *,
+               n_max: Optional[int] = None, uniform: bool = False, no_shared: bool = False) -> None:
         """Append ``counts[i]`` new tokens to request ``rows[i]``: logical positions
         ``logical..logical+count-1`` go to slots ``live..live+count-1`` in every set, with
         zeroed state (except in shared slots, :meth:`share_prefix`).
 
         Args:
             counts: int64 ``[R]``, ``>= 0``; the block table must cover the new slots.
+            n_max: ``max(counts)`` where the caller knows it on the host (else one host read).
+            uniform: every count equals ``n_max`` (a decode step's 1 each): no padding to mask.
+            no_shared: no row has a shared prefix (:meth:`share_prefix`; the caller knows).
         """
         r = rows.shape[0]
         if r == 0:
             return
-        n_max = int(counts.max())  # the one host sync per call: the batch's widest chunk
+        if n_max is None:
+            n_max = int(counts.max())  # a host read: the batch's widest chunk
         if n_max == 0:
             return
-        j = torch.arange(n_max, device=rows.device)
-        mask = j[None, :] < counts[:, None]
+        j = self._cols(n_max)[0]
         rel = self.live[rows][:, None] + j[None, :]
         bs = self.block_size
-        rel_safe = torch.where(mask, rel, 0)
-        slots = block_table.gather(1, rel_safe // bs).to(torch.int64) * bs + rel_safe % bs
-        at = slots[mask]
-        own = slots[mask & (rel >= self.shared[rows][:, None])]
+        logical = self.logical[rows][:, None] + j[None, :]
+        if uniform:  # no padding: every (row, j) is a new token, in row-major order
+            slots = block_table.gather(1, rel // bs).to(torch.int64) * bs + rel % bs
+            at = slots.reshape(-1)
+            own = at if no_shared else slots[rel >= self.shared[rows][:, None]]
+            new_pos = logical.reshape(-1)
+        else:
+            mask = j[None, :] < counts[:, None]
+            rel_safe = torch.where(mask, rel, 0)
+            slots = block_table.gather(1, rel_safe // bs).to(torch.int64) * bs + rel_safe % bs
+            at = slots[mask]
+            own = at if no_shared else slots[mask & (rel >= self.shared[rows][:, None])]
+            new_pos = logical[mask]
         for k, t in self.side.fields.items():
             if k != "pos":
                 t[:, own] = 0
-        self.side.fields["pos"][:, at] = (self.logical[rows][:, None] + j[None, :])[mask][None, :]
-        self.live[rows] += counts
-        self.logical[rows] += counts
+        self.side.fields["pos"][:, at] = new_pos[None, :]
+        if counts.dtype != torch.int64:
+            counts = counts.to(torch.int64)
+        self.live.index_add_(0, rows, counts)  # (distinct rows)
+        self.logical.index_add_(0, rows, counts)
 
     def observe(self, rows: torch.Tensor, block_table: torch.Tensor, col_sum: Optional[torch.Tensor],
                 last_row: Optional[torch.Tensor], key_norm: Optional[torch.Tensor] = None,
-                key_sim: Optional[torch.Tensor] = None) -> None:
+                key_sim: Optional[torch.Tensor] = None, *, no_shared: bool = False, full: bool = False) -> None:
         """Fold one step's statistics into the side cache: :meth:`EvictionPolicy.observe_batched`
         on every (request, set) row.
 
@@ -300,6 +341,8 @@ class DeviceDecider:
                 elsewhere), for a policy that needs ``AttentionNeed.KEY_NORM``; or None.
             key_sim: as ``col_sum``, each live slot's similarity to its head's anchor, for a
                 policy with ``eviction_keys`` (KeyDiff), set right before an eviction; or None.
+            no_shared: no row has a shared prefix (:meth:`share_prefix`; the caller knows).
+            full: every row has exactly ``N`` live tokens (the caller knows): nothing to mask.
         """
         if rows.shape[0] == 0 or (col_sum is None and last_row is None and key_norm is None and key_sim is None):
             return
@@ -315,25 +358,37 @@ class DeviceDecider:
             shaped.append(x)
         col_sum, last_row, key_norm, key_sim = shaped
         n = next(x for x in shaped if x is not None).shape[2]
-        slots, mask = self._slots(rows, block_table, n)
+        live_r = self.live[rows]
+        if full:  # every slot 0..n-1 of every row is live
+            slots = self._slots_full(block_table, n)
+            mask = mask_f = None
+        else:
+            slots, mask = self._slots(rows, block_table, n, live_r)
+            mask_f = mask.repeat(sets, 1) if sets > 1 else mask
         want_pos = self.policy.observe_needs_pos  # (SnapKV pools in logical order)
         fields = {k: self._flat(v) for k, v in self.side.gather(
             slots, [k for k in self.side.fields if k != "pos" or want_pos]).items()}
         req = {k: t[:, rows].reshape(sets * r) for k, t in self.req_fields.items()}
-        live = self._rep(self.live[rows])
-        mask_f = mask.repeat(sets, 1) if sets > 1 else mask
-        # [R, S, N] -> rows s*R + r
-        zero = lambda x: None if x is None else torch.where(  # noqa: E731
-            mask_f, x.transpose(0, 1).reshape(sets * r, n), torch.zeros((), dtype=x.dtype, device=x.device))
+        live = self._rep(live_r)
+
+        def pad(x, fill: float):  # [R, S, N] -> rows s*R + r (a new tensor), padding set to ``fill``
+            if x is None:
+                return None
+            y = x.transpose(0, 1).reshape(sets * r, n)
+            if mask_f is None:
+                return y.clone() if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else y
+            return torch.where(mask_f, y, torch.full((), fill, dtype=y.dtype, device=y.device))
+
         extra = {}
         if key_norm is not None:  # NaN (not written this step) stays NaN; padding becomes NaN too
-            extra["key_norm"] = torch.where(mask_f, key_norm.transpose(0, 1).reshape(sets * r, n),
-                                            torch.full((), float("nan"), dtype=key_norm.dtype, device=key_norm.device))
+            extra["key_norm"] = pad(key_norm, float("nan"))
         if key_sim is not None:  # padding becomes NaN
-            extra["key_sim"] = torch.where(mask_f, key_sim.transpose(0, 1).reshape(sets * r, n),
-                                           torch.full((), float("nan"), dtype=key_sim.dtype, device=key_sim.device))
-        self.policy.observe_batched({**fields, **req}, live, zero(col_sum), zero(last_row), **extra)
-        own = mask & (torch.arange(n, device=rows.device)[None, :] >= self.shared[rows][:, None])  # (share_prefix)
+            extra["key_sim"] = pad(key_sim, float("nan"))
+        self.policy.observe_batched({**fields, **req}, live, pad(col_sum, 0.0), pad(last_row, 0.0), **extra)
+        if mask is None:
+            own = None if no_shared else self._cols(n)[0][None, :] >= self.shared[rows][:, None]
+        else:
+            own = mask if no_shared else mask & (self._cols(n)[0][None, :] >= self.shared[rows][:, None])
         self.side.scatter(slots, own, {k: self._unflat(v) for k, v in fields.items() if k != "pos"})
         for k, t in self.req_fields.items():
             t[:, rows] = req[k].reshape(sets, r)
@@ -367,7 +422,9 @@ class DeviceDecider:
 
     def evict(self, rows: torch.Tensor, block_table: torch.Tensor, k: torch.Tensor, *,
               sink_tokens: torch.Tensor | int = 0, recent_tokens: torch.Tensor | int = 0,
-              protected_prefix: torch.Tensor | int = 0, width: Optional[int] = None) -> Eviction:
+              protected_prefix: torch.Tensor | int = 0, width: Optional[int] = None,
+              max_evict: Optional[int] = None, expect_live: Optional[torch.Tensor] = None,
+              dead_width: Optional[int] = None, full: bool = False) -> Eviction:
         """Evict ``k[i]`` tokens of request ``rows[i]`` from each of its sets (module docstring,
         steps 1-3).
 
@@ -375,6 +432,17 @@ class DeviceDecider:
             k: int64 ``[R]`` tokens to evict (``<= 0``: none).
             sink_tokens, recent_tokens, protected_prefix: per-request protections (int or ``[R]``).
             width: ``N``, at least the batch's largest live count; None reads it (a host sync).
+
+        Host knowledge a caller may pass to spare host reads (each is checked or only a bound):
+
+        Args:
+            max_evict: ``>= max(k)`` (:func:`vtoken.select.select_victims`).
+            expect_live: int64 ``[R]``, the live counts the caller expects afterwards; compared
+                in the one host read that also checks the sets' counts, the answer in
+                :attr:`Eviction.live_as_expected`.
+            dead_width: ``>=`` the largest evicted position's block index + 1 (e.g. ``cdiv(max
+                logical, B)``): the Naive-Evict table grows without reading the positions.
+            full: every row has exactly ``width`` live tokens: no padding to mask.
 
         Returns:
             :class:`Eviction`. The side cache (``pos`` and the policy's fields) and the live
@@ -389,7 +457,7 @@ class DeviceDecider:
         live = self.live[rows]
         r, sets = rows.shape[0], self.num_sets
         n = int(live.max()) if width is None and r else (width or 0)
-        slots, mask = self._slots(rows, block_table, n)
+        slots = self._slots_full(block_table, n) if full and width is not None else self._slots(rows, block_table, n, live)[0]
         fields = {name: self._flat(v) for name, v in self.side.gather(slots).items()}
         pos = fields.pop("pos")
         req = {name: t[:, rows].reshape(sets * r) for name, t in self.req_fields.items()}
@@ -397,10 +465,16 @@ class DeviceDecider:
         scores = self.policy.score_batched({**fields, **req}, pos, live_f)
         victims = select_victims(scores, pos, live_f, self._rep(k), sink_tokens=self._rep(sink_tokens),
                                  recent_tokens=self._rep(recent_tokens),
-                                 protected_prefix=self._rep(protected_prefix), num_logical=self._rep(self.logical[rows]))
+                                 protected_prefix=self._rep(protected_prefix), num_logical=self._rep(self.logical[rows]),
+                                 max_evict=max_evict, check=False)
         plan = plan_moves(victims, live_f)
         new_live = plan.new_live.view(sets, r)
-        if sets > 1 and r and not bool((new_live == new_live[:1]).all()):  # one host sync
+        as_expected = None
+        if r and expect_live is not None:  # one host read: the sets' counts and the caller's
+            as_expected = bool((new_live == expect_live[None, :]).all())
+            if not as_expected and sets > 1 and not bool((new_live == new_live[:1]).all()):
+                raise RuntimeError(f"vToken: token sets of a request would keep different counts: {new_live.tolist()}")
+        elif sets > 1 and r and not bool((new_live == new_live[:1]).all()):  # one host sync
             raise RuntimeError(f"vToken: token sets of a request would keep different counts: {new_live.tolist()}")
         ev_rows, ev_cols = victims.nonzero(as_tuple=True)
         req_rows = plan.rows % r if sets > 1 else plan.rows
@@ -413,14 +487,14 @@ class DeviceDecider:
         ev_pos = pos[ev_rows, ev_cols]
         if ev_pos.numel():  # (its length is known on the host already: a data-dependent shape)
             blk = ev_pos // self.block_size
-            width = int(blk.max()) + 1
-            if width > self.dead.shape[1]:
-                grown = torch.zeros((self.dead.shape[0], max(width, 2 * self.dead.shape[1])), dtype=torch.int32,
+            need = int(dead_width) if dead_width is not None else int(blk.max()) + 1
+            if need > self.dead.shape[1]:
+                grown = torch.zeros((self.dead.shape[0], max(need, 2 * self.dead.shape[1])), dtype=torch.int32,
                                     device=self.dead.device)
                 grown[:, : self.dead.shape[1]] = self.dead
                 self.dead = grown
             self.dead.index_put_((rows[ev_req], blk), torch.ones_like(blk, dtype=torch.int32), accumulate=True)
-        return Eviction(src, dst, req_rows, plan.src, plan.dst, new_live[0], ev_pos, ev_req, set_ids)
+        return Eviction(src, dst, req_rows, plan.src, plan.dst, new_live[0], ev_pos, ev_req, set_ids, as_expected)
 
     def logical_pos(self, row: int, block_table_row: torch.Tensor, set_index: int = 0) -> torch.Tensor:
         """int64 ``[live]``: request ``row``'s slot -> logical position in set ``set_index``

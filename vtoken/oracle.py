@@ -28,11 +28,8 @@ is the sum over this step's query rows, ``last_row`` the last query row; both
 float64 ``[num_live]`` in the cache's (logical) order. Only what ``policy.needs``
 asks for is computed.
 
-``score_lag = L`` (async scheduling, :mod:`vtoken.score_lag`): the statistics of step
-``k`` (prefill = 0, decode ``d`` = step ``d``) are folded in just before the eviction
-decision of step ``k + 1 + L`` (remapped by logical position; tokens appended since get
-``NaN``), and a scoring policy starts evicting at decode step ``1 + L``. ``L = 0`` is the
-sync behaviour: each step's statistics are folded in before the next decision.
+Each step's statistics are folded in right after its forward, before the next decision
+(the engine's worker does the same under sync and async scheduling alike).
 
 ``cfg.score_every = s > 1`` (attention scores every ``s`` decode steps): the
 prefill is always scored; decode step ``d`` (``d = 1`` for the first decode
@@ -40,13 +37,8 @@ forward) is scored iff ``d % s == 0``. Unscored steps do not call ``observe``
 when the policy needs attention; policies with ``needs == NONE`` are observed
 every step with empty stats. This convention must be the engine's too.
 
-``preempt_at`` (a preemption, replayed; ``docs/integration.md``, "Preemption"): at decode
-step ``d`` in it, after that step's eviction decision, the cache is dropped with every
-statistic not yet folded in, and the step's forward is a fresh prefill of the live tokens
-(ascending logical order, their token ids at their logical positions) followed by the new
-token; it is scored like a prefill. The policy state and the live set are kept. Decoding
-then continues as usual; as after the first prefill, eviction resumes at decode step
-``d + 1`` (``d + 1 + L`` for a scoring policy, once the re-prefill's statistics are in).
+A preemption needs no replay: the engine restores a preempted request's K/V and policy
+state, so its tokens equal this run's (``docs/integration.md``, "Preemption").
 
 Granularity (``cfg.resolved_granularity()``, ``docs/granularity.md``): ``"request"`` keeps
 one token set for the whole request (everything above). ``"layer"``, ``"head"`` and
@@ -57,7 +49,7 @@ covers. Statistics are per set (:func:`attention_stats_sets`); at a step with ``
 set selects ``k`` victims with the same protections, every layer's K/V is compacted per KV
 head with the keep indices of the set covering it (a gather along the sequence axis), and
 each set's state is compacted. All sets keep the same count, so the cache length stays one
-number. ``score_lag != 0`` and ``preempt_at`` are request-granular only.
+number.
 
 This module never imports vllm.
 """
@@ -72,7 +64,6 @@ import torch
 
 from vtoken.config import VTokenConfig, effective_budget, num_to_evict
 from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
-from vtoken.score_lag import ScoreLagQueue, first_evicting_decode_step, remap_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from vtoken.policies.base import SlotState
@@ -499,10 +490,8 @@ def oracle_generate(
     ignore_eos: bool = True,
     return_logits: bool = False,
     policy: Optional[EvictionPolicy] = None,
-    score_lag: int = 0,
     protected_prefix: int = 0,
     evict_schedule: Optional[dict[int, int]] = None,
-    preempt_at: Optional[Sequence[int]] = None,
     prefill_chunks: Optional[Sequence[int]] = None,
     prefill_evict_schedule: Optional[dict[int, int]] = None,
 ) -> OracleResult:
@@ -525,8 +514,6 @@ def oracle_generate(
         return_logits: also return each step's float32 next-token logits.
         policy: an already built policy to use instead of the one ``cfg`` names
             (budget and slack still come from ``cfg``, which must then be given).
-        score_lag: request-steps by which attention statistics reach the policy late
-            (0: sync scheduling; 1: vLLM's async scheduling); see the module docstring.
         protected_prefix: the first ``protected_prefix`` logical positions are never evicted
             (tokens, >= 0): the engine's prefix-caching rule for this request (its cached or
             shared prefix blocks, ``RequestState.protected``; docs/integration.md, "Prefix
@@ -535,18 +522,14 @@ def oracle_generate(
             ``budget + slack`` rule (pressure pacing decides amounts from pool state; the
             engine records them, ``RequestState.evict_log``, and the oracle replays them;
             the victims are still the policy's choice).
-        preempt_at: decode steps (``d >= 1``) at which the request is preempted after its
-            eviction decision and resumes by re-prefilling its live tokens (module
-            docstring); the engine records them (``RequestState.preempt_log``).
-            Request granularity only (as ``score_lag != 0``).
         prefill_chunks: token counts of the prompt's prefill chunks (positive, summing to
             the prompt length; default: one chunk), as vLLM's chunked prefill scheduled them.
             Each chunk attends over the live tokens of the chunks before it and itself
-            (causal), and is scored in full, its last query row included (as ``decide_on:
-            worker`` scores every chunk). With ``cfg.resolved_prefill_eviction() == "chunks"``, before each chunk but
+            (causal), and is scored in full, its last query row included (as the worker
+            scores every chunk). With ``cfg.resolved_prefill_eviction() == "chunks"``, before each chunk but
             the first the request evicts ``num_to_evict(live, budget, slack)`` tokens, as a
             decode step would (issue "bounded prefill"); their positions are in
-            ``OracleResult.prefill_evicted_positions``. ``score_lag`` 0 only.
+            ``OracleResult.prefill_evicted_positions``.
         prefill_evict_schedule: with prefill eviction ``"chunks"``, chunk index ``c``
             (``1 <= c < len(prefill_chunks)``) -> tokens to ask the policy to evict before chunk
             ``c``, replacing the ``budget + slack`` rule there, as ``evict_schedule`` replaces it in
@@ -558,11 +541,10 @@ def oracle_generate(
 
     Raises:
         ValueError: empty prompt, ``max_new_tokens < 1``, a non-eager model, a
-            sliding-window cache layer, ``policy`` without ``cfg``, ``score_lag < 0``,
-            ``protected_prefix < 0``, or ``score_lag != 0`` / ``preempt_at`` with a
-            granularity other than ``"request"``, ``prefill_chunks`` that are not positive or
-            do not sum to the prompt length, or several chunks with ``score_lag != 0``, or a
-            ``prefill_evict_schedule`` key outside ``1 .. len(prefill_chunks) - 1``.
+            sliding-window cache layer, ``policy`` without ``cfg``,
+            ``protected_prefix < 0``, ``prefill_chunks`` that are not positive or do not sum
+            to the prompt length, or a ``prefill_evict_schedule`` key outside
+            ``1 .. len(prefill_chunks) - 1``.
         RuntimeError: the policy returned invalid victims (out of range, duplicates), or
             the token sets evicted different counts.
     """
@@ -581,15 +563,9 @@ def oracle_generate(
     if not chunks or min(chunks) < 1 or sum(chunks) != P:
         raise ValueError(f"oracle_generate: prefill_chunks = {list(prefill_chunks or ())}; allowed: positive token "
                          f"counts summing to the prompt length {P}")
-    if len(chunks) > 1 and score_lag:
-        raise ValueError(f"oracle_generate: score_lag = {score_lag} with {len(chunks)} prefill chunks; allowed: "
-                         "score_lag 0 (decide_on: worker folds each chunk's statistics in its own step)")
     if prefill_evict_schedule is not None and any(not 1 <= int(c) < len(chunks) for c in prefill_evict_schedule):
         raise ValueError(f"oracle_generate: prefill_evict_schedule keys {sorted(prefill_evict_schedule)}; allowed: "
                          f"chunk indices 1 .. {len(chunks) - 1} (the boundaries between the {len(chunks)} chunks)")
-    preempt_set = {int(d) for d in (preempt_at or ())}
-    if any(d < 1 for d in preempt_set):
-        raise ValueError(f"oracle_generate: preempt_at = {sorted(preempt_set)}; allowed: decode steps >= 1")
     if eos_token_id is None:
         eos_set: set[int] = set()
     elif isinstance(eos_token_id, int):
@@ -599,32 +575,19 @@ def oracle_generate(
 
     from transformers import DynamicCache
 
-    ScoreLagQueue(score_lag)  # ValueError for score_lag < 0, before the granularity checks
     budget = slack = None
     policy_on = cfg is not None
     granularity = "request"
     need = AttentionNeed.NONE
     score_every = 1
-    first_evict = 1
     if cfg is not None:
         granularity = cfg.resolved_granularity()
-        if granularity != "request":
-            if score_lag != 0:
-                raise ValueError(
-                    f"oracle_generate: score_lag = {score_lag} with granularity {granularity!r}; score_lag and "
-                    "preempt_at are request-granular only (allowed: score_lag 0, or granularity 'request')")
-            if preempt_set:
-                raise ValueError(
-                    f"oracle_generate: preempt_at = {sorted(preempt_set)} with granularity {granularity!r}; "
-                    "score_lag and preempt_at are request-granular only (allowed: no preempt_at, or "
-                    "granularity 'request')")
         budget = effective_budget(cfg, P)
         slack = cfg.resolved_slack()
         if policy is None:
             policy = cfg.make_policy(budget)
         need = policy.needs
         score_every = cfg.score_every
-        first_evict = first_evicting_decode_step(need, score_lag)
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
@@ -640,9 +603,8 @@ def oracle_generate(
         num_layers, num_kv_heads = max(len(cache.layers), 1), 1
     set_of = set_index_map(granularity, num_layers, num_kv_heads)  # [L, Hkv] -> token set
     S = int(set_of.max()) + 1
-    # per token set: the policy state, the queue of statistics, slot -> logical position
+    # per token set: the policy state, slot -> logical position
     states: list["SlotState"] = [policy.init_state() for _ in range(S)] if policy_on else []
-    lagqs = [ScoreLagQueue(score_lag) for _ in range(S)]
 
     pos = [np.arange(P, dtype=np.int64) for _ in range(S)]  # per set: cache slot -> logical position
     num_logical = P
@@ -662,7 +624,7 @@ def oracle_generate(
         return TokenView(logical_pos=pos[s].copy(), num_logical=num_logical, prompt_len=P,
                          protected_prefix=protected_prefix)
 
-    def forward(ids: list[int], positions: np.ndarray, scored: bool, step: int) -> torch.Tensor:
+    def forward(ids: list[int], positions: np.ndarray, scored: bool) -> torch.Tensor:
         n_before = _cache_len(cache) if cache.get_seq_length() > 0 else 0
         q = len(ids)
         want_attn = scored and bool(need & (AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW))
@@ -688,21 +650,12 @@ def oracle_generate(
                     row = np.full(len(pos[s]), np.nan)
                     row[len(pos[s]) - q:] = kn
                     stats[s] = AttentionStats(col_sum=stats[s].col_sum, last_row=stats[s].last_row, key_norm=row)
-            for s in range(S):
-                lagqs[s].expect(step, pos[s], sampled=True)
-                lagqs[s].deliver(step, stats[s])
-            if score_lag == 0:  # sync: fold in now (same state as just before the next decision)
-                fold_lagged(step + 1)
+            for s in range(S):  # folded in now: the state the next decision sees
+                policy.observe(states[s], len(pos[s]), stats[s], view_of(s))
         elif states and need == AttentionNeed.NONE:
             for s in range(S):
                 policy.observe(states[s], len(pos[s]), AttentionStats(), view_of(s))
         return out.logits[0, -1]
-
-    def fold_lagged(step: int) -> None:
-        for s in range(S):
-            for e in lagqs[s].ready(step):
-                stats = remap_stats(e.stats, e.logical_pos, pos[s], num_logical)
-                policy.observe(states[s], len(pos[s]), stats, view_of(s))
 
     def select(s: int, k: int) -> np.ndarray:
         n = len(pos[s])
@@ -783,7 +736,7 @@ def oracle_generate(
             num_logical = start + q
             # every chunk's statistics in full, its last row included: decide_on worker scores each
             # chunk's last query row whether or not the chunk samples
-            logits = forward(prompt[start:start + q], chunk_pos, scored=True, step=0)
+            logits = forward(prompt[start:start + q], chunk_pos, scored=True)
             start += q
         tok = sample(logits)
         record(tok, [empty] * S)
@@ -795,36 +748,21 @@ def oracle_generate(
             evicted = [empty] * S
             n = len(pos[0])
             if states:
-                fold_lagged(d)
                 if evict_schedule is not None:
                     k = min(int(evict_schedule.get(d, 0)), n)
                 else:
-                    k = num_to_evict(n, budget, slack) if d >= first_evict else 0
+                    k = num_to_evict(n, budget, slack)
                 if k > 0:
                     evicted = evict(k, n)
                 n = len(pos[0])
                 for st in states:
                     st.reset_slots(n, n + 1)
             new_pos = np.array([num_logical], dtype=np.int64)
-            if d in preempt_set:  # request granularity only (checked above): S == 1
-                # preempted: the cache and pending statistics are gone; re-prefill the live
-                # tokens (logical order, logical positions) and the new token
-                cache = DynamicCache(config=model.config)
-                lagqs[0].clear()
-                if states:
-                    first_evict = d + first_evicting_decode_step(need, score_lag)
-                ids = [prompt[p] if p < P else out_tokens[p - P] for p in pos[0].tolist()] + [tok]
-                positions = np.concatenate([pos[0], new_pos])
-                pos[0] = positions.copy()
-                num_logical += 1
-                tok = sample(forward(ids, positions, scored=True, step=d))
-                record(tok, evicted)
-                continue
             for s in range(S):
                 pos[s] = np.concatenate([pos[s], new_pos])
             num_logical += 1
             scored = d % score_every == 0
-            tok = sample(forward([tok], new_pos, scored=scored, step=d))
+            tok = sample(forward([tok], new_pos, scored=scored))
             record(tok, evicted)
         else:
             if not ignore_eos and tok in eos_set:

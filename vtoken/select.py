@@ -53,11 +53,15 @@ def _per_row(v: IntOrTensor, r: int, device: torch.device, name: str) -> torch.T
     return torch.full((r,), v, dtype=torch.int64, device=device)
 
 
-def _check_2d(logical_pos: torch.Tensor, num_live: IntOrTensor) -> tuple[int, int, torch.Tensor]:
+def _check_2d(logical_pos: torch.Tensor, num_live: IntOrTensor, check: bool = True) -> tuple[int, int, torch.Tensor]:
+    """``(R, N, num_live as int64 [R])``; ``check``: also the value checks of CPU tensors (host
+    reads), which a caller whose counts come from its own state skips (:class:`vtoken.decider.DeviceDecider`)."""
     if logical_pos.dim() != 2:
         raise ValueError(f"logical_pos has shape {tuple(logical_pos.shape)}; expected [R, N]")
     r, n = logical_pos.shape
     live = _per_row(num_live, r, logical_pos.device, "num_live")
+    if not check:
+        return r, n, live
     if r and (bool((live < 0).any()) if live.device.type == "cpu" else False):
         raise ValueError(f"num_live has a negative entry: {live.tolist()}")
     if r and live.device.type == "cpu" and int(live.max()) > n:
@@ -73,6 +77,7 @@ def protected_mask(
     recent_tokens: IntOrTensor = 0,
     protected_prefix: IntOrTensor = 0,
     num_logical: Optional[IntOrTensor] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """The slots no policy may evict, for every request at once.
 
@@ -86,6 +91,8 @@ def protected_mask(
             state the protocol reaches: a token is protected from its append until it leaves
             the window) gets its recent window from that count, without a sort; other rows,
             or no ``num_logical``, sort their positions.
+        check: check the values of ``num_live`` (CPU tensors: two host reads); False for a
+            caller whose counts are its own (:class:`vtoken.decider.DeviceDecider`).
 
     Returns:
         bool ``[R, N]``: True for a live slot that holds a sink, a position below
@@ -97,29 +104,37 @@ def protected_mask(
         ValueError: a shape or dtype that does not match (CPU tensors also: a ``num_live``
             outside ``0..N``).
     """
-    r, n, live = _check_2d(logical_pos, num_live)
+    r, n, live = _check_2d(logical_pos, num_live, check)
     dev = logical_pos.device
     if all(type(v) is int and v == 0 for v in (sink_tokens, recent_tokens, protected_prefix)):
         return torch.zeros((r, n), dtype=torch.bool, device=dev)  # nothing protected (K-norm's default)
-    sinks = _per_row(sink_tokens, r, dev, "sink_tokens")
-    recent = _per_row(recent_tokens, r, dev, "recent_tokens")
-    prefix = _per_row(protected_prefix, r, dev, "protected_prefix")
+    # (a Python int stays one: it broadcasts without a [R] tensor of its own)
+    sinks, recent, prefix = (v if type(v) is int else _per_row(v, r, dev, name) for v, name in (
+        (sink_tokens, "sink_tokens"), (recent_tokens, "recent_tokens"), (protected_prefix, "protected_prefix")))
     pos = logical_pos.to(torch.int64)
     valid = torch.arange(n, device=dev)[None, :] < live[:, None]
-    prot = pos < torch.maximum(sinks, prefix)[:, None]
-    if n:
+    if type(sinks) is int and type(prefix) is int:
+        first = max(sinks, prefix)
+        prot = pos < first if first > 0 else torch.zeros((r, n), dtype=torch.bool, device=dev)
+    else:
+        prot = pos < torch.maximum(_per_row(sinks, r, dev, "sink_tokens"),
+                                   _per_row(prefix, r, dev, "protected_prefix"))[:, None]
+    if n and not (type(recent) is int and recent <= 0):
         # The recent window: positions >= the recent-th largest live position of the row.
+        r_eff = live.clamp(max=recent) if type(recent) is int else torch.minimum(recent, live)
         cutoff = None
         if num_logical is not None:
-            r_eff = torch.minimum(recent, live)
             c = (_per_row(num_logical, r, dev, "num_logical") - r_eff)[:, None]
             if bool((((pos >= c) & valid).sum(dim=1) == r_eff).all()):  # one host sync
                 cutoff = c
         if cutoff is None:
             desc = torch.where(valid, pos, torch.full_like(pos, -1)).sort(dim=1, descending=True).values
-            idx = (torch.minimum(recent, live) - 1).clamp(min=0)
+            idx = (r_eff - 1).clamp(min=0)
             cutoff = desc.gather(1, idx[:, None])
-        prot |= (recent > 0)[:, None] & (pos >= cutoff)
+        if type(recent) is int:
+            prot |= pos >= cutoff
+        else:
+            prot |= (recent > 0)[:, None] & (pos >= cutoff)
     return prot & valid
 
 
@@ -133,6 +148,8 @@ def select_victims(
     recent_tokens: IntOrTensor = 0,
     protected_prefix: IntOrTensor = 0,
     num_logical: Optional[IntOrTensor] = None,
+    max_evict: Optional[int] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Every request's ``num_to_evict`` victims, in one batch (module docstring for the rules).
 
@@ -142,6 +159,11 @@ def select_victims(
         num_live: live slots per request, int or int64 ``[R]``.
         num_to_evict: ``k`` per request, int or int64 ``[R]``; ``k <= 0`` evicts nothing.
         sink_tokens, recent_tokens, protected_prefix, num_logical: as for :func:`protected_mask`.
+        max_evict: a bound the caller knows on the host, ``>= max(num_to_evict)`` (the decider's
+            counts come from the scheduler's payload): spares the host read of the batch's
+            largest count. The choice between the two paths below may then differ; their
+            victims do not.
+        check: as for :func:`protected_mask`.
 
     Few victims per row (``max k <= N / 16``, steady decode), no ``NaN`` score: two ``topk``
     passes (the k-th smallest score, then the smallest positions among the scores equal to
@@ -159,16 +181,19 @@ def select_victims(
         raise ValueError(f"scores has shape {tuple(scores.shape)}; logical_pos has {tuple(logical_pos.shape)}")
     if not scores.dtype.is_floating_point:
         raise ValueError(f"scores has dtype {scores.dtype}; expected a floating dtype")
-    r, n, live = _check_2d(logical_pos, num_live)
+    r, n, live = _check_2d(logical_pos, num_live, check)
     dev = logical_pos.device
     k = _per_row(num_to_evict, r, dev, "num_to_evict").clamp(min=0)
     prot = protected_mask(logical_pos, live, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                          protected_prefix=protected_prefix, num_logical=num_logical)
+                          protected_prefix=protected_prefix, num_logical=num_logical, check=False)
     cols = torch.arange(n, device=dev)[None, :]
     cand = (cols < live[:, None]) & ~prot
     k_eff = torch.minimum(k, cand.sum(dim=1))
-    kmax = int(k_eff.max()) if r else 0  # host sync
-    if kmax == 0:
+    if max_evict is not None:  # (a bound: rows whose k_eff is 0 select nothing on either path)
+        kmax = min(int(max_evict), n) if r else 0
+    else:
+        kmax = int(k_eff.max()) if r else 0  # host sync
+    if kmax <= 0:
         return torch.zeros_like(cand)
     if kmax * _FEW_RATIO <= n and not bool(torch.isnan(scores).any()):
         return _select_few(scores, logical_pos.to(torch.int64), cand, k_eff, kmax)
@@ -196,6 +221,8 @@ def _select_few(scores: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor, k_e
     tie = cand & (s == kth)
     need = k_eff - below.sum(dim=1)  # >= 1 where k_eff >= 1: the k-th itself is a tie
     mmax = int(need.max())  # host sync
+    if mmax <= 0:  # (kmax was a bound and no row selects anything)
+        return torch.zeros_like(cand)
     p = torch.where(tie, pos, big)
     pth = p.topk(mmax, dim=1, largest=False).values.gather(1, (need - 1).clamp(min=0)[:, None])
     return (below | (tie & (p <= pth))) & (k_eff > 0)[:, None]

@@ -7,7 +7,7 @@
 * the sets really are separate on a 2-KV-head model, and collapse as they must on a
   1-KV-head one (head == layer, head_shared == request, bit for bit);
 * :func:`attention_stats_sets` on a hand-made attention tensor, exact values;
-* request granularity is today's oracle; score_lag / preempt_at are refused per set.
+* without ``granularity`` a config takes its policy's own token sets.
 
 CPU only, tiny models, one thread.
 """
@@ -260,17 +260,6 @@ def test_default_granularity_is_the_policys(gqa, policy):
     assert len(new.live_positions_sets) == len(today.live_positions_sets) > 1
     for a, b in zip(new.live_positions_sets, today.live_positions_sets):
         np.testing.assert_array_equal(a, b)
-
-
-def test_request_granular_only_arguments(gqa):
-    cfg = _cfg("h2o", 24, "head")
-    with pytest.raises(ValueError, match=r"score_lag = 1 .*request-granular only"):
-        oracle_generate(gqa, _prompt(), 4, cfg, score_lag=1)
-    with pytest.raises(ValueError, match=r"preempt_at = \[2\] .*request-granular only"):
-        oracle_generate(gqa, _prompt(), 4, cfg, preempt_at=[2])
-    # request granularity keeps both
-    req = _cfg("h2o", 24, "request")
-    assert len(oracle_generate(gqa, _prompt(), 4, req, score_lag=1, preempt_at=[2]).token_ids) == 4
 
 
 def test_key_norm_sets_exact():

@@ -119,31 +119,31 @@ def protect_run(tiny):
 _oracle: dict = {}
 
 
-def _oracle_tokens(tiny, prompt, extra, vt, protected, lag=0, new=NEW, schedule=None):
+def _oracle_tokens(tiny, prompt, extra, vt, protected, new=NEW, schedule=None):
     import torch
 
     from vtoken.oracle import load_oracle_model, oracle_generate
 
     cfg = parse_request_overrides(extra).apply(parse_config(vt))
-    key = (tuple(prompt), cfg.model_dump_json(), protected, lag, new, None if schedule is None else tuple(schedule.items()))
+    key = (tuple(prompt), cfg.model_dump_json(), protected, new, None if schedule is None else tuple(schedule.items()))
     if key not in _oracle:
         if "model" not in _oracle:
             torch.set_num_threads(2)
             _oracle["model"] = load_oracle_model(tiny)
-        res = oracle_generate(_oracle["model"], prompt, new, cfg, protected_prefix=protected, score_lag=lag,
+        res = oracle_generate(_oracle["model"], prompt, new, cfg, protected_prefix=protected,
                               evict_schedule=schedule)
         _oracle[key] = (list(res.token_ids), res.evicted_positions)
     return _oracle[key]
 
 
-def _check_against_oracle(tiny, out, phases, vt, lag=0):
+def _check_against_oracle(tiny, out, phases, vt):
     """Every request's tokens equal the dense oracle's for its prompt alone: no prefix cache and,
     under the default rule, nothing protected (``protected`` is 0 there)."""
     mismatches = []
     for phase in phases:
         for r in phase:
             fin = out["finished"][r["id"]]
-            toks, _ = _oracle_tokens(tiny, out["prompts"][r["id"]], r["extra_args"], vt, fin["protected"], lag,
+            toks, _ = _oracle_tokens(tiny, out["prompts"][r["id"]], r["extra_args"], vt, fin["protected"],
                                      r["max_tokens"])
             if out["tokens"][r["id"]] != toks:
                 mismatches.append((r["id"], fin["protected"], out["tokens"][r["id"]][:12], toks[:12]))

@@ -26,10 +26,10 @@ being one such request-like row):
 
 Both include the keys written in the same step (the step's own tokens).
 
-Under async scheduling the statistics reach the policy one step late, remapped onto the
-current slots (:mod:`vtoken.score_lag`): a slot the step did not cover (a token appended
-since) holds ``NaN``, and ``AttentionStats.num_keys`` gives the number of keys the step
-attended over. ``observe`` must leave ``NaN`` slots untouched.
+A slot a step's statistic does not cover holds ``NaN`` (e.g. K-norm's row for the slots the
+step did not write), and ``AttentionStats.num_keys`` gives the number of keys the step
+attended over when it differs from the arrays' length. ``observe`` must leave ``NaN`` slots
+untouched.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class AttentionStats:
         last_row: float64 ``[num_keys]`` or None when the step sampled no token
             (a non-final prefill chunk) or when not requested.
         num_keys: keys the step attended over, when it differs from the arrays' length
-            (statistics remapped after a repack, :func:`vtoken.score_lag.remap_stats`);
             None: the arrays' length. Entries may then be ``NaN`` (slot not covered).
         key_norm: float64 ``[num_keys]``: the L2 norm of the key of each slot written in this
             step (post-RoPE; RoPE is a rotation, so the norm is the pre-RoPE one), averaged over

@@ -505,6 +505,8 @@ class VTokenWorkerCore:
             res = self._reduce_over_tp(st) or None
         elif st is None:
             return
+        elif self.decisions is not None and hasattr(st, "batched"):
+            res = st.batched()  # the one-query rows as padded tensors (no per-request arrays)
         else:
             res = st.result() or None
         if self.decisions is not None:  # folded here; no statistic goes back

@@ -47,6 +47,7 @@ forward's statistics cover them, and its tokens equal the dense oracle's for it 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Any, Callable, Iterable, Optional
 
@@ -57,7 +58,7 @@ from vtoken.config import VTokenConfig
 from vtoken.decider import DeviceDecider, side_bytes_per_token
 from vtoken.integrations.vllm.payload import ScoreMap, StepPayload, WorkerSpec
 from vtoken.policies.base import AttentionNeed
-from vtoken.integrations.vllm.worker.scoring import set_means
+from vtoken.integrations.vllm.worker.scoring import BatchedScores, set_means, set_means_batched
 
 __all__ = ["WorkerDecisions", "reserve_side_cache"]
 
@@ -114,14 +115,24 @@ class _Group:
     """The requests of one policy and granularity: a decider, request rows, and the block ids of
     each row."""
 
-    def __init__(self, policy, granularity: str, sets: int, num_slots: int, block_size: int, device):
+    def __init__(self, policy, granularity: str, sets: int, num_slots: int, block_size: int, device, gid: int = 0):
         self.policy = policy
         self.granularity = granularity
+        self.gid = gid  #: index in ``WorkerDecisions._glist`` (the high half of a request's code)
         self.dec = DeviceDecider(policy, num_slots, block_size, max_requests=16, device=device, num_sets=sets)
         self.free: list[int] = list(range(15, -1, -1))
         self.bt = np.zeros((16, 16), dtype=np.int64)  # row -> block ids (a prefix of nblocks[row])
         self.nblocks = np.zeros(16, dtype=np.int64)
         self.freed = np.zeros(16, dtype=np.int64)  # row -> Naive-Evict's freed blocks last reported
+        #: host copies of the decider's per-row counts (live, logical, shared prefix), kept by the
+        #: calls that change them, so that a step's widths and shapes need no host read; the
+        #: live count is checked against the decider's in the one host read each eviction makes
+        #: (``DeviceDecider.evict``'s ``expect_live``) and taken from it if they ever differ
+        self.live_h = np.zeros(16, dtype=np.int64)
+        self.logical_h = np.zeros(16, dtype=np.int64)
+        self.shared_h = np.zeros(16, dtype=np.int64)
+        #: per row, the request's protections (``WorkerSpec``): sinks, recent window, protected prefix
+        self.prot_h = np.zeros((16, 3), dtype=np.int64)
         #: Expected Attention: per row the query moments (:meth:`add_moments`): float64
         #: ``qsum [rows, L, Hq, D]``, ``qpair [rows, L, Hq, D/2, 3]`` and int64 ``count [rows]``,
         #: made on the first fold (this rank's query heads)
@@ -134,12 +145,16 @@ class _Group:
             self.bt = np.concatenate([self.bt, np.zeros_like(self.bt)])
             self.nblocks = np.concatenate([self.nblocks, np.zeros_like(self.nblocks)])
             self.freed = np.concatenate([self.freed, np.zeros_like(self.freed)])
+            self.live_h, self.logical_h, self.shared_h, self.prot_h = (
+                np.concatenate([a, np.zeros_like(a)]) for a in (self.live_h, self.logical_h, self.shared_h, self.prot_h))
             if self.moments is not None:
                 self.moments = [torch.cat([t, torch.zeros_like(t)]) for t in self.moments]
             self.free = list(range(2 * n - 1, n - 1, -1))
         row = self.free.pop()
         self.nblocks[row] = 0
         self.freed[row] = 0
+        self.live_h[row] = self.logical_h[row] = self.shared_h[row] = 0
+        self.prot_h[row] = 0
         if self.moments is not None:
             for t in self.moments:
                 t[row] = 0
@@ -183,8 +198,12 @@ class _Group:
             for i, new in entries:
                 self.bt[row, i] = new
 
-    def table(self, rows: list[int]) -> torch.Tensor:
-        return torch.from_numpy(self.bt[rows]).to(self.dec.live.device)
+    def table(self, rows) -> torch.Tensor:
+        """The block ids of ``rows`` (a list or int64 array), ``[R, width]`` on the decider's
+        device, ``width`` the most blocks any of them holds (at least 1)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        width = max(1, int(self.nblocks[rows].max())) if len(rows) else 1
+        return torch.from_numpy(self.bt[rows, :width]).to(self.dec.live.device)
 
 
 class WorkerDecisions:
@@ -225,7 +244,11 @@ class WorkerDecisions:
         #: the groups that evicted since :meth:`take_naive_freed` last ran (a step that schedules
         #: no token never samples, so its entries wait for the next): (group, rows, request
         #: ids, rows as a tensor), whose Naive-Evict counts :meth:`take_naive_freed` reads
-        self._naive: list[tuple[_Group, list[int], list[str], torch.Tensor]] = []
+        self._naive: list[tuple[_Group, np.ndarray, np.ndarray, list[str]]] = []
+        #: req_id -> ``gid << 32 | row`` of every tracked request (``where`` as one integer, so that
+        #: a step's requests map to their groups and rows in one vectorised pass, :meth:`_split`)
+        self._code: dict[str, int] = {}
+        self._glist: list[_Group] = []  # gid -> group
         #: faults confined to one request since the last output (:meth:`_fault`): req_id -> message
         self.faults: dict[str, str] = {}
         #: preempted requests whose state is kept: req_id -> (blocks saved, side-cache fields of
@@ -290,10 +313,12 @@ class WorkerDecisions:
         for k, v in side.items():
             g.dec.side.fields[k].index_copy_(1, slots, v)
         g.dec.shared[row] = 0
+        g.shared_h[row] = 0
         return rid, ids
 
     def _drop(self, rid: str) -> None:
         self.suspended.pop(rid, None)
+        self._code.pop(rid, None)
         got = self.where.pop(rid, None)
         if got is not None:
             got[0].free.append(got[1])
@@ -321,7 +346,8 @@ class WorkerDecisions:
             if g is None:
                 sets = num_sets(spec.granularity, self.num_layers, self.num_kv_heads)
                 g = self.groups[key] = _Group(spec.policy, spec.granularity, sets, self.num_slots, self.block_size,
-                                              self.device)
+                                              self.device, gid=len(self._glist))
+                self._glist.append(g)
                 b = g.dec.side.bytes_per_token
                 args = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)
                         if f.name not in ("sink_tokens", "recent_tokens")}
@@ -332,9 +358,12 @@ class WorkerDecisions:
                             100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
             row = g.add()
             self.where[rid] = (g, row, spec)
+            self._code[rid] = (g.gid << 32) | row
+            g.prot_h[row] = (spec.sink_tokens, spec.recent_tokens, spec.protected_prefix)
             shared = spec.cached_tokens if spec.shared_tokens is None else spec.shared_tokens
             if shared:  # a prefix-cache hit: blocks others hold and write (module docstring)
                 g.dec.share_prefix(torch.tensor([row], device=g.dec.live.device), shared)
+                g.shared_h[row] = shared
         for rid, entries in payload.unshare.items():  # (copied by the caller before this)
             got = self.where.get(rid)
             if got is not None:
@@ -376,22 +405,51 @@ class WorkerDecisions:
             e[2].append(rid)
         return out
 
+    def _codes(self, rids: Iterable[str], n: int) -> np.ndarray:
+        """int64 ``[n]``: each request's ``gid << 32 | row`` (-1: not tracked), in one C-level pass."""
+        return np.fromiter(map(self._code.get, rids, itertools.repeat(-1)), dtype=np.int64, count=n)
+
+    def _split(self, codes: np.ndarray) -> list[tuple[_Group, Optional[np.ndarray], np.ndarray]]:
+        """The tracked entries of ``codes`` (:meth:`_codes`) by group, in input order within each:
+        ``(group, positions in codes or None for all of them, rows)``. Loops over groups only."""
+        if not len(codes):
+            return []
+        gids = codes >> 32  # (-1 stays -1)
+        rows = codes & 0xFFFFFFFF
+        lo, hi = int(gids.min()), int(gids.max())
+        if lo == hi:
+            return [] if lo < 0 else [(self._glist[lo], None, rows)]
+        out = []
+        for gid in np.unique(gids).tolist():
+            if gid >= 0:
+                pos = np.flatnonzero(gids == gid)
+                out.append((self._glist[gid], pos, rows[pos]))
+        return out
+
+    @staticmethod
+    def _pick(keys: list[str], pos: Optional[np.ndarray]) -> list[str]:
+        return list(keys) if pos is None else [keys[i] for i in pos.tolist()]
+
     def _evict(self, evict: dict[str, int]) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Every evicting group at once (:meth:`_evict_rows`). A group whose batched call raises is
         retried one request at a time, and each request that still raises is a fault confined to
         it (:meth:`_fault`): the others evict as planned. (Selection raises before it changes any
         state, so a retry starts from the same state.)"""
         out = []
-        for g, rows, rids in self._by_group(evict).values():
+        keys = list(evict)
+        ks = np.fromiter(evict.values(), dtype=np.int64, count=len(keys))
+        for g, pos, rows in self._split(self._codes(keys, len(keys))):
+            k = ks if pos is None else ks[pos]
             try:
-                out.append(self._evict_rows(g, rows, rids, evict))
+                out.append(self._evict_rows(g, rows, k, keys, pos))
             except Exception as e:  # noqa: BLE001 - confined below, per request
+                rids = self._pick(keys, pos)
                 if len(rows) == 1:
                     self._fault(rids[0], e)
                     continue
-                for row, rid in zip(rows, rids):
+                for i, rid in enumerate(rids):
                     try:
-                        out.append(self._evict_rows(g, [row], [rid], evict))
+                        out.append(self._evict_rows(g, rows[i:i + 1], k[i:i + 1], [rid], None))
                     except Exception as e1:  # noqa: BLE001 - confined to this request
                         self._fault(rid, e1)
         return out
@@ -411,11 +469,12 @@ class WorkerDecisions:
         out, self.faults = self.faults, {}
         return out
 
-    def _evict_rows(self, g: "_Group", rows: list[int], rids: list[str], evict: dict[str, int]
+    def _evict_rows(self, g: "_Group", rows: np.ndarray, k: np.ndarray, keys: list[str], pos: Optional[np.ndarray]
                     ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One group's eviction: request rows ``rows`` (int64), ``k`` tokens each; the requests
+        are ``keys`` at ``pos`` (None: all of them), named only where needed."""
         dev = g.dec.live.device
-        spec = [self.where[r][2] for r in rids]
-        rows_t = torch.tensor(rows, device=dev)
+        rows_t = torch.from_numpy(rows).to(dev)
         table = g.table(rows)
         if g.policy.eviction_keys:
             if self.key_reader is None:
@@ -429,15 +488,25 @@ class WorkerDecisions:
             g.dec.observe(rows_t, table, None, None,
                           key_sim=self.key_reader(g.policy, table, g.dec.live[rows_t], g.granularity, **extra))
 
-        def per_request(name: str):  # one int when every request has the same (no [R] tensor ops)
-            vals = [getattr(s, name) for s in spec]
-            return int(vals[0]) if vals.count(vals[0]) == len(vals) else torch.tensor(vals, device=dev)
+        prot = g.prot_h[rows]
 
-        ev = g.dec.evict(rows_t, table,
-                         torch.tensor([evict[r] for r in rids], device=dev),
-                         sink_tokens=per_request("sink_tokens"), recent_tokens=per_request("recent_tokens"),
-                         protected_prefix=per_request("protected_prefix"))
-        self._naive.append((g, rows, rids, rows_t))
+        def per_request(i: int):  # one int when every request has the same (no [R] tensor ops)
+            col = prot[:, i]
+            return int(col[0]) if (col == col[0]).all() else torch.from_numpy(col.copy()).to(dev)
+
+        live = g.live_h[rows]
+        width = int(live.max())
+        expect = np.maximum(live - np.maximum(k, 0), 0)
+        ev = g.dec.evict(rows_t, table, torch.from_numpy(k).to(dev),
+                         sink_tokens=per_request(0), recent_tokens=per_request(1), protected_prefix=per_request(2),
+                         width=width, max_evict=max(int(k.max()), 0), expect_live=torch.from_numpy(expect).to(dev),
+                         dead_width=-(-int(g.logical_h[rows].max()) // g.dec.block_size),
+                         full=bool((live == width).all()))
+        if ev.live_as_expected:
+            g.live_h[rows] = expect
+        else:  # (cannot happen while the scheduler's counts are the worker's: one host read)
+            g.live_h[rows] = ev.new_live.cpu().numpy()
+        self._naive.append((g, rows, self._codes(self._pick(keys, pos), len(rows)), self._pick(keys, pos)))
         return g.granularity, ev.src, ev.dst, ev.sets
 
     def take_naive_freed(self, tp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
@@ -462,20 +531,20 @@ class WorkerDecisions:
             return None
         out: dict[str, int] = {}
         pending, self._naive = self._naive, []
-        for g, rows, rids, rows_t in pending:
+        for g, rows, codes, rids in pending:
             # (a request dropped or restarted since keeps no claim on its old row)
-            keep = [i for i, (rid, row) in enumerate(zip(rids, rows))
-                    if (w := self.where.get(rid)) is not None and w[0] is g and w[1] == row]
-            if len(keep) < len(rows):
-                if not keep and tp_world == 1:
+            same = self._codes(rids, len(rids)) == codes
+            if not same.all():
+                if not same.any() and tp_world == 1:
                     continue
-                rows, rids = [rows[i] for i in keep], [rids[i] for i in keep]
-                rows_t = rows_t[torch.tensor(keep, dtype=torch.int64, device=rows_t.device)]
+                keep = np.flatnonzero(same)
+                rows, rids = rows[keep], [rids[i] for i in keep.tolist()]
             dec = g.dec
+            rows_t = torch.from_numpy(rows).to(dec.live.device)
             if tp_world > 1 and g.granularity in ("head", "head_shared"):
                 # per block: 1 where this rank's sets evicted it whole; freed where every rank did
                 # (int32 [R, cdiv(max logical, B)]; a rank's width may differ, so from logical)
-                width = -(-int(dec.logical[rows_t].max()) // dec.block_size) if rows else 0
+                width = -(-int(dec.logical[rows_t].max()) // dec.block_size) if len(rows) else 0
                 have = min(width, dec.dead.shape[1])
                 whole = torch.zeros((len(rows), width), dtype=torch.int32)
                 whole[:, :have] = dec.dead_blocks(rows_t)[:, :have].cpu().to(torch.int32)
@@ -483,10 +552,9 @@ class WorkerDecisions:
                 got = (whole == tp_world).sum(1).numpy()
             else:
                 got = dec.naive_freed_blocks(rows_t).cpu().numpy()
-            r = np.asarray(rows, dtype=np.int64)
-            changed = np.flatnonzero(got != g.freed[r])
+            changed = np.flatnonzero(got != g.freed[rows])
             if len(changed):
-                g.freed[r[changed]] = got[changed]
+                g.freed[rows[changed]] = got[changed]
                 out.update((rids[i], int(got[i])) for i in changed.tolist())
         return out or None
 
@@ -497,17 +565,24 @@ class WorkerDecisions:
                 got[0].set_blocks(got[1], list(nr.block_ids[0]), append=False)
         cr = so.scheduled_cached_reqs
         resumed = cr.resumed_req_ids
-        for rid, ids in zip(cr.req_ids, cr.new_block_ids):
+        # (only the requests with new blocks: None where a request got none)
+        for rid, ids in itertools.compress(zip(cr.req_ids, cr.new_block_ids), cr.new_block_ids):
             got = self.where.get(rid)
-            if got is None or ids is None:
+            if got is None:
                 continue
             got[0].set_blocks(got[1], list(ids[0]), append=rid not in resumed)
 
     def _append(self, num_scheduled: dict[str, int]) -> None:
-        for g, rows, rids in self._by_group(num_scheduled).values():
+        keys = list(num_scheduled)
+        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(keys))
+        for g, pos, rows in self._split(self._codes(keys, len(keys))):
+            c = counts if pos is None else counts[pos]
+            n_max = int(c.max())
             dev = g.dec.live.device
-            g.dec.append(torch.tensor(rows, device=dev), g.table(rows),
-                         torch.tensor([num_scheduled[r] for r in rids], device=dev))
+            g.dec.append(torch.from_numpy(rows).to(dev), g.table(rows), torch.from_numpy(c).to(dev), n_max=n_max,
+                         uniform=bool((c == n_max).all()), no_shared=not g.shared_h[rows].any())
+            g.live_h[rows] += c
+            g.logical_h[rows] += c
 
     def fold_moments(self, rids: list[str], qsum: torch.Tensor, qpair: torch.Tensor, count: torch.Tensor) -> None:
         """Add a step's query moments (``StepScores.take_moments``, rows in ``rids`` order) to
@@ -557,10 +632,17 @@ class WorkerDecisions:
             t = norms[:, (qs[seg] + j).to(norms.device), :].permute(0, 2, 1).contiguous()  # [L, Hkv, T]
             g.dec.observe_written(slots, set_means(g.granularity, t).to(dev))
 
-    def fold(self, scores: Optional[ScoreMap]) -> None:
-        """Fold the step's statistics (req_id -> (col_sum, last_row), float64 ``[live]``, or
-        ``[S, live]`` with several token sets) into the side caches; rows with and without a last
-        row (a non-final prefill chunk) apart."""
+    def fold(self, scores: "Optional[ScoreMap | BatchedScores]") -> None:
+        """Fold the step's statistics into the side caches: a ``ScoreMap`` (req_id -> (col_sum,
+        last_row), float64 ``[live]``, or ``[S, live]`` with several token sets) or
+        :class:`~vtoken.integrations.vllm.worker.scoring.BatchedScores` (``StepScores.batched``:
+        the one-query rows as padded tensors, one ``observe`` per group; the rest as a
+        ``ScoreMap``); rows with and without a last row (a non-final prefill chunk) apart."""
+        if isinstance(scores, BatchedScores):
+            rest = dict(scores.rest)
+            if len(scores.rids):
+                self._fold_batched(scores, rest)
+            scores = rest
         if not scores:
             return
         for g, rows, rids in self._by_group(scores).values():
@@ -605,4 +687,54 @@ class WorkerDecisions:
                 g.dec.observe(torch.tensor(prow, device=dev), g.table(prow),
                               None if col is None else torch.from_numpy(col).to(dev),
                               None if last is None else torch.from_numpy(last).to(dev),
-                              None if kn is None else torch.from_numpy(kn).to(dev))
+                              None if kn is None else torch.from_numpy(kn).to(dev),
+                              no_shared=not g.shared_h[prow].any())
+
+    def _fold_batched(self, sc: BatchedScores, rest: dict) -> None:
+        """:meth:`fold`'s one-query rows, every group in one ``observe`` per part (rows with and
+        without a last row), from the padded tensors: the same values :meth:`fold` packs from a
+        ``ScoreMap``. A group whose policy needs key norms takes the ``ScoreMap`` path (``rest``)."""
+        R = len(sc.rids)
+        col_flag, last_flag = AttentionNeed.COL_SUM.value, AttentionNeed.LAST_ROW.value
+        for g, pos, rows in self._split(self._codes(sc.rids, R)):
+            gran = g.granularity
+            src = sc.acc if gran == "request" else sc.per_head
+            if g.policy.needs & AttentionNeed.KEY_NORM or src is None:
+                rest.update(sc.legacy(range(R) if pos is None else pos.tolist()))
+                continue
+            use_col = bool(g.policy.needs & AttentionNeed.COL_SUM)
+            use_last = bool(g.policy.needs & AttentionNeed.LAST_ROW)
+            need = sc.need if pos is None else sc.need[pos]
+            if use_col and not ((need & col_flag) != 0).all():  # (as the ScoreMap path: each row has its column sums)
+                rest.update(sc.legacy(range(R) if pos is None else pos.tolist()))
+                continue
+            with_last_rows = (need & last_flag) != 0 if use_last else np.zeros(len(rows), dtype=bool)
+            for with_last in (True, False):
+                sel = np.flatnonzero(with_last_rows == with_last)
+                if not len(sel) or not (use_col or with_last):
+                    continue
+                at = sel if pos is None else pos[sel]  # positions in the batch's one-query rows
+                if len(at) == R and pos is None:
+                    at = None  # (every row, in order: no gather)
+                prow = rows[sel]
+                n = sc.n if at is None else sc.n[at]
+                width = int(n.max())
+                dev = g.dec.live.device
+                x = src if at is None else src[torch.from_numpy(at).to(src.device)]
+                stat = (x if gran == "request" else set_means_batched(gran, x))[..., :width].to(dev)
+                # non-finite statistics are a fault confined to their request (never folded in);
+                # padding is 0 (or non-finite only where the row is)
+                bad = ~torch.isfinite(stat).reshape(stat.shape[0], -1).all(1)
+                if bool(bad.any()):
+                    bad_np = bad.cpu().numpy()
+                    names = self._pick(sc.rids, at)
+                    for i in np.flatnonzero(bad_np).tolist():
+                        self._fault(names[i], FloatingPointError(
+                            "non-finite attention statistics (NaN or infinity) from this step's forward"))
+                    ok = np.flatnonzero(~bad_np)
+                    if not len(ok):
+                        continue
+                    stat, prow, n = stat[torch.from_numpy(ok).to(dev)], prow[ok], n[ok]
+                g.dec.observe(torch.from_numpy(prow).to(dev), g.table(prow), stat if use_col else None,
+                              stat if with_last else None, None, no_shared=not g.shared_h[prow].any(),
+                              full=bool((g.live_h[prow] == stat.shape[-1]).all()))

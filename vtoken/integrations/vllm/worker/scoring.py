@@ -9,7 +9,7 @@ backend's :class:`~vtoken.integrations.vllm.worker.kv_layout.KVLayout`. The stat
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
@@ -17,7 +17,8 @@ import torch
 from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack, KVLayout
 from vtoken.policies.base import AttentionNeed
 
-__all__ = ["StepScores", "prefill_stats", "TILE_ELEMS", "MAX_TILE_ROWS"]
+__all__ = ["StepScores", "BatchedScores", "prefill_stats", "set_means", "set_means_batched", "TILE_ELEMS",
+           "MAX_TILE_ROWS"]
 
 #: Most logits one query tile of the prefill column-sum path holds (``Hq * rows * n``): 4M
 #: elements (16 MiB in float32); the softmax adds one more (the sums need no float64 copy).
@@ -120,6 +121,48 @@ def set_means(gran: str, t: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"vToken scoring: unknown granularity {gran!r}")
 
 
+def set_means_batched(gran: str, t: torch.Tensor) -> torch.Tensor:
+    """:func:`set_means` of every row at once: ``[R, L, Hkv, n]`` -> ``[R, S, n]`` (the same
+    reductions over the same axes, so the same values as row by row)."""
+    if gran == "head":
+        return t.reshape(t.shape[0], -1, t.shape[-1])
+    if gran == "layer":
+        return t.mean(dim=2)
+    if gran == "head_shared":
+        return t.mean(dim=1)
+    if gran == "request":
+        return t.mean(dim=(1, 2))[:, None]
+    raise ValueError(f"vToken scoring: unknown granularity {gran!r}")
+
+
+class BatchedScores:
+    """One step's statistics as :meth:`StepScores.batched` hands them to
+    ``WorkerDecisions.fold``: the one-query rows (every decode row) as padded tensors, the rest
+    (prefill rows over several queries, key norms) as a :data:`ScoreMap` (``StepScores.result``'s
+    format).
+
+    Attributes:
+        rids: the one-query rows' request ids (None for a row whose statistics are in ``rest``).
+        n: int64 ``[R]`` each row's physical length (its statistics' length).
+        need: int64 ``[R]`` each row's ``AttentionNeed`` value (``COL_SUM``, ``LAST_ROW``: the
+            row's statistic is both, as in :meth:`StepScores.result`).
+        acc: float64 ``[R, max_n]``: mean over layers and query heads (one token set), or None
+            where no row needs it.
+        per_head: float64 ``[R, L, Hkv, max_n]``: each layer's mean over each KV head's query
+            heads (several token sets: :func:`set_means_batched`), or None where no row has sets.
+        rest: req_id -> (col_sum, last_row[, key_norm]), float64 numpy (``StepScores.result``).
+        legacy: ``positions -> ScoreMap``: the rows at those positions in ``result``'s format.
+    """
+
+    def __init__(self, rids: list, n: np.ndarray, need: np.ndarray, acc: Optional[torch.Tensor],
+                 per_head: Optional[torch.Tensor], rest: dict, legacy):
+        self.rids, self.n, self.need, self.acc, self.per_head, self.rest = rids, n, need, acc, per_head, rest
+        self.legacy = legacy
+
+    def __bool__(self) -> bool:
+        return bool(self.rest) or any(r is not None for r in self.rids)
+
+
 class StepScores:
     """Accumulates one step's attention statistics per request across layers.
 
@@ -175,8 +218,12 @@ class StepScores:
         #: req_id -> observation window of rows that need ``AttentionNeed.WINDOW`` (SnapKV): their
         #: column sums cover the step's last ``window`` query rows only
         self.windows = windows or {}
-        #: per-set rows: req_id -> layer index -> (col [Hkv, n] or None, last [Hkv, n] or None)
+        #: per-set rows over several queries: req_id -> layer index -> (col [Hkv, n] or None, last
+        #: [Hkv, n] or None)
         self._sets: dict[str, dict[int, list[Optional[torch.Tensor]]]] = {}
+        #: the one-query rows' per-(layer, KV head) probabilities where any row has sets: chunks
+        #: ``(plan rows, layer indices, float64 [r, L', Hkv, max_n])`` (:meth:`_per_head`)
+        self._ph_chunks: list[tuple[slice, list[Optional[int]], torch.Tensor]] = []
         self.tile_elems = TILE_ELEMS if tile_elems is None else tile_elems
         self.col: dict[str, torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
@@ -189,12 +236,16 @@ class StepScores:
         self._key_norms: dict[int, torch.Tensor] = {}  # layer index -> float64 [num_tokens, Hkv]
 
     def _build(self, meta, kv_cache: torch.Tensor) -> dict[str, Any]:
+        # (the batch's host lists once: one read each, not two per row)
         qsl = meta.query_start_loc
+        qsl = qsl.tolist() if isinstance(qsl, torch.Tensor) else list(qsl)
+        lens = meta.seq_lens
+        lens = lens.tolist() if isinstance(lens, torch.Tensor) else list(lens)
         singles, multis, keyed = [], [], []
         attn = AttentionNeed.COL_SUM.value | AttentionNeed.LAST_ROW.value
         for row, rid, need in self.rows:
             qs, qe = int(qsl[row]), int(qsl[row + 1])
-            n = int(meta.seq_lens[row])
+            n = int(lens[row])
             if qe <= qs or n <= 0:
                 continue
             if need & AttentionNeed.KEY_NORM.value:
@@ -217,7 +268,11 @@ class StepScores:
             lens = torch.tensor([x[3] for x in singles])
             plan.update(blocks=blocks, offsets=s % bs, pad=s[None, :] >= lens[:, None],
                         q_index=torch.tensor([x[4] for x in singles]), max_n=max_n,
-                        block_rows=bt.clamp(0, kv_cache.shape[0] - 1))
+                        block_rows=bt.clamp(0, kv_cache.shape[0] - 1),
+                        single_rids=[x[1] for x in singles], single_n=lens.numpy(),
+                        single_need=np.array([x[2] for x in singles], dtype=np.int64),
+                        # the mean over every layer and head only where a row keeps one token set
+                        need_acc=any(x[1] not in self.grans for x in singles))
         return plan
 
     def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: KVLayout,
@@ -292,19 +347,14 @@ class StepScores:
         logits = torch.einsum("rlkgd,rlknd->rlkgn", q, k) * scale
         logits.masked_fill_(plan["pad"][rows][:, None, None, None, :], float("-inf"))
         p_all = torch.softmax(logits, dim=-1)  # [R, L, Hkv, G, max_n]
-        probs = p_all.mean(dim=(2, 3)).double().sum(dim=1)  # [R, max_n]: each layer's mean, summed
-        if self._single_acc is None:
-            self._single_acc = torch.zeros(len(plan["singles"]), plan["max_n"], dtype=torch.float64)
-        self._single_acc[rows] += probs
+        if plan["need_acc"]:
+            probs = p_all.mean(dim=(2, 3)).double().sum(dim=1)  # [R, max_n]: each layer's mean, summed
+            if self._single_acc is None:
+                self._single_acc = torch.zeros(len(plan["singles"]), plan["max_n"], dtype=torch.float64)
+            self._single_acc[rows] += probs
         if self.grans:
-            per_head = p_all.double().mean(dim=3)  # [R, L, Hkv, max_n]: each KV head's query heads
-            for i, (_, rid, need, n, _) in enumerate(plan["singles"][rows]):
-                if rid in self.grans:
-                    sets = self._sets.setdefault(rid, {})
-                    for j, li in enumerate(layers):
-                        ph = per_head[i, j, :, :n]
-                        sets[li] = [ph if need & AttentionNeed.COL_SUM.value else None,
-                                    ph if need & AttentionNeed.LAST_ROW.value else None]
+            # [R, L, Hkv, max_n]: each KV head's query heads, per layer (the rows with sets take theirs)
+            self._ph_chunks.append((rows, list(layers), p_all.double().mean(dim=3)))
 
     def _finish_singles(self) -> None:
         """The deferred one-query rows: every layer's keys in one read of the layer stack
@@ -403,20 +453,50 @@ class StepScores:
         self._plan["keyed"] = [k for k in self._plan["keyed"] if k[0] not in rids]
         return took, torch.stack([self._key_norms[i] for i in sorted(self._key_norms)])
 
-    def result(self) -> dict[str, tuple[Optional[np.ndarray], ...]]:
-        """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked);
-        rows that need key norms get a third entry, ``key_norm`` (``NaN`` outside the slots the
-        step wrote); rows with several token sets ``[S, num_live]`` each."""
-        self._finish_singles()
+    def _per_head(self) -> Optional[torch.Tensor]:
+        """The one-query rows' per-(layer, KV head) probabilities, float64 ``[R, L, Hkv, max_n]``,
+        layers in index order (None: no row has sets, or none was scored)."""
+        chunks = self._ph_chunks
+        if not chunks:
+            return None
+        R = len(self._plan["singles"])
+        if len(chunks) == 1 and chunks[0][0].indices(R) == (0, R, 1) and chunks[0][1] == sorted(chunks[0][1]):
+            return chunks[0][2]
+        by_layer: dict[Any, torch.Tensor] = {}
+        for rows, layers, ph in chunks:
+            for j, li in enumerate(layers):
+                t = by_layer.get(li)
+                if t is None:
+                    t = by_layer[li] = torch.zeros((R, *ph.shape[2:]), dtype=ph.dtype)
+                t[rows] = ph[:, j]
+        keys = sorted(by_layer, key=lambda x: -1 if x is None else x)
+        self._ph_chunks = [(slice(None), keys, torch.stack([by_layer[li] for li in keys], dim=1))]
+        return self._ph_chunks[0][2]
+
+    def _single_entries(self, positions: Iterable[int], out: dict) -> dict:
+        """:meth:`result`'s entries of the one-query rows at ``positions`` (plan order), into ``out``."""
+        plan = self._plan
         L = max(self.num_layers, 1)
-        out = {}
-        if self._plan is not None and self._single_acc is not None:
-            acc = (self._single_acc / L).numpy()
-            for i, (_, rid, need, n, _) in enumerate(self._plan["singles"]):
+        acc = None if self._single_acc is None else (self._single_acc / L).numpy()
+        ph = self._per_head() if self.grans else None
+        for i in positions:
+            _, rid, need, n, _ = plan["singles"][i]
+            if rid in self.grans:
+                if ph is None:
+                    continue
+                layers = [ph[i, j, :, :n] for j in range(ph.shape[1])]
+                out[rid] = tuple(self._reduce_sets(self.grans[rid], layers) if need & flag.value else None
+                                 for flag in (AttentionNeed.COL_SUM, AttentionNeed.LAST_ROW))
+            elif acc is not None:
                 row = acc[i, :n]
-                col = row if need & AttentionNeed.COL_SUM.value else None
-                last = row.copy() if need & AttentionNeed.LAST_ROW.value else None
-                out[rid] = (col, last)
+                out[rid] = (row if need & AttentionNeed.COL_SUM.value else None,
+                            row.copy() if need & AttentionNeed.LAST_ROW.value else None)
+        return out
+
+    def _add_rest(self, out: dict) -> dict:
+        """:meth:`result`'s entries of the rows over several queries, and the key norms (merged
+        into the rows already in ``out``)."""
+        L = max(self.num_layers, 1)
         for rid, c in self.col.items():
             r = self.last.get(rid)
             out[rid] = ((c / L).numpy(), None if r is None else (r / L).numpy())
@@ -436,6 +516,38 @@ class StepScores:
                 col, last = out.get(rid, (None, None))[:2]
                 out[rid] = (col, last, row[0] if gran == "request" else row)
         return out
+
+    def result(self) -> dict[str, tuple[Optional[np.ndarray], ...]]:
+        """req_id -> (col_sum, last_row), float64 numpy ``[num_live]`` (None where not asked);
+        rows that need key norms get a third entry, ``key_norm`` (``NaN`` outside the slots the
+        step wrote); rows with several token sets ``[S, num_live]`` each."""
+        self._finish_singles()
+        out: dict = {}
+        if self._plan is not None and self._plan["singles"]:
+            self._single_entries(range(len(self._plan["singles"])), out)
+        return self._add_rest(out)
+
+    def batched(self) -> BatchedScores:
+        """The step's statistics for ``WorkerDecisions.fold`` (:class:`BatchedScores`): the same
+        values as :meth:`result`, the one-query rows as padded tensors (no per-row arrays)."""
+        self._finish_singles()
+        plan = self._plan
+        if plan is None or not plan["singles"]:
+            return BatchedScores([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), None, None,
+                                 self._add_rest({}), None)
+        rids = plan["single_rids"]
+        out: dict = {}
+        keyed = {k[0] for k in plan["keyed"]} if self._key_norms and plan["keyed"] else ()
+        if keyed:  # one-query rows with key norms: in ``rest``, their norms merged (rare)
+            at = [i for i, rid in enumerate(rids) if rid in keyed]
+            self._single_entries(at, out)
+            rids = [None if rid in keyed else rid for rid in rids]
+        self._add_rest(out)
+        L = max(self.num_layers, 1)
+        acc = None if self._single_acc is None else self._single_acc / L
+        return BatchedScores(rids, plan["single_n"], plan["single_need"], acc,
+                             self._per_head() if self.grans else None, out,
+                             lambda positions: self._single_entries(positions, {}))
 
     @staticmethod
     def _reduce_sets(gran: str, per_layer: list[Optional[torch.Tensor]]) -> Optional[np.ndarray]:
