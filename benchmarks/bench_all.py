@@ -27,13 +27,10 @@ RESULTS = HERE / "results"
 
 # name -> (script, small args, full args, result files written by the small version)
 BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
-    # Kernel/planner micro-benchmarks: their small runs write *_small.json so they never
+    # Kernel micro-benchmarks: their small runs write *_small.json so they never
     # overwrite the committed full results.
     "move": ("bench_move.py", ["--iters", "5", "--moves", "1", "64", "--out", str(RESULTS / "bench_move_small.json")],
              [], ["bench_move_small.json"]),
-    "planner": ("bench_planner.py", ["--steps", "300", "--contexts", "4096", "32768",
-                                     "--out", str(RESULTS / "bench_planner_small.json")],
-                [], ["bench_planner_small.json"]),
     "retained_blocks": ("bench_retained_blocks.py", ["--small"], [], []),
     "concurrency": ("bench_concurrency.py", ["--small"], [], []),
     "quality": ("bench_quality.py", ["--small"], [], []),

@@ -4,7 +4,7 @@ time, dispatched torch ops and host syncs per decode step, at R running requests
 Run:  .venv/bin/python benchmarks/bench_worker_step.py [--quick] [--requests 8 64 256] [--live 2048]
           [--steps 5] [--warmup 2] [--count-steps 2] [--policy h2o] [--granularity head]
           [--layers 30] [--kv-heads 3] [--block-size 32] [--threads 1] [--device cpu]
-          [--scores numpy|torch] [--out benchmarks/results/bench_worker_step.json]
+          [--scores batched|numpy|torch] [--out benchmarks/results/bench_worker_step.json]
 
 Why. The design (``../shared/DESIGN.md``, section 2): the worker's step runs on the device, with no numpy,
 no host sync and no Python loop over requests or token sets, from the ``SchedulerOutput`` to the
@@ -30,13 +30,16 @@ step's append, the budget plus the appended token), protections from ``VTokenCon
 * **A step (measured)** is a steady decode step: ``begin`` with ``payload.evict = {rid: 1}`` for
   every request and one scheduled token each (no new blocks: the evicted slot makes room), which
   returns the K/V moves (not applied: there is no KV cache), then ``fold`` with one step's
-  statistics per request in the format ``fold`` receives from ``StepScores.result``
-  (``vtoken/integrations/vllm/worker/scoring.py``, ``ScoreMap`` in ``payload.py``): req_id ->
-  (col_sum, last_row), float64 numpy ``[S, live]`` (``[live]`` with one set), only the arrays
-  the policy needs (H2O: col_sum), drawn once from a seeded generator (every step folds the same
-  values). ``--scores torch`` gives the same values as float64 tensors on ``--device`` instead
-  (what a device-resident ``fold`` would take; today ``fold`` copies them into numpy). The
-  step's inputs are built outside the timer (the scheduler and the forward make them).
+  statistics, drawn once from a seeded generator (every step folds the same values), in the
+  format ``--scores`` names: ``batched`` (the default; what the engine's worker folds,
+  ``StepScores.batched`` in ``vtoken/integrations/vllm/worker/scoring.py``): a
+  ``BatchedScores`` whose one-query rows carry float64 tensors on ``--device``, ``[R, L, Hkv,
+  live]`` per (layer, KV head) (``[R, live]`` at granularity ``request``), the same values as
+  column sums and last rows; ``numpy``: ``StepScores.result``'s ``ScoreMap`` (``payload.py``),
+  req_id -> (col_sum, last_row), float64 numpy ``[S, live]`` (``[live]`` with one set), only the
+  arrays the policy needs (H2O: col_sum), which ``fold`` packs request by request;
+  ``torch``: the same as float64 tensors on ``--device``. The step's inputs are built outside
+  the timer (the scheduler and the forward make them).
   ``WorkerDecisions.take_naive_freed``, which the worker calls after the fold, is timed and
   counted as its own phase (``naive``), not in the step's figures.
 * **Checks (outside the measured region, every step).** Every request has ``live`` live tokens
@@ -138,6 +141,7 @@ if str(ROOT) not in sys.path:
 from vtoken.config import VTokenConfig  # noqa: E402
 from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec  # noqa: E402
 from vtoken.integrations.vllm.worker.decisions import WorkerDecisions, num_sets  # noqa: E402
+from vtoken.integrations.vllm.worker.scoring import BatchedScores  # noqa: E402
 from vtoken.policies.base import AttentionNeed  # noqa: E402
 from vtoken.protocol import evictable  # noqa: E402
 
@@ -490,9 +494,9 @@ class WorkerStepBench:
 
     def __init__(self, num_requests: int, live: int, *, policy: str = "h2o", granularity: str = "head",
                  layers: int = 30, kv_heads: int = 3, block_size: int = 32, device: str = "cpu", seed: int = 0,
-                 scores: str = "numpy"):
-        if scores not in ("numpy", "torch"):
-            raise ValueError(f"scores = {scores!r}; allowed: numpy, torch")
+                 scores: str = "batched"):
+        if scores not in ("batched", "numpy", "torch"):
+            raise ValueError(f"scores = {scores!r}; allowed: batched, numpy, torch")
         self.R, self.L, self.B = int(num_requests), int(live), int(block_size)
         self.device = torch.device(device)
         self.policy, self.spec = make_policy(policy, live, granularity)
@@ -527,6 +531,18 @@ class WorkerStepBench:
             self.stats["last"] = rng.random(shape)
         if scores == "torch":
             self.stats = {k: torch.from_numpy(v).to(self.device) for k, v in self.stats.items()}
+        self.batched_stats = None
+        if scores == "batched" and self.stats:
+            # StepScores.batched: one tensor per step for every row (column sums and last rows
+            # alike); per (layer, KV head) with token sets, the mean over every one without
+            per_head = acc = None
+            if self.spec.granularity == "request":
+                acc = torch.from_numpy(rng.random((self.R, live))).to(self.device)
+            else:
+                per_head = torch.from_numpy(rng.random((self.R, layers, kv_heads, live))).to(self.device)
+            n = np.full(self.R, live, dtype=np.int64)
+            need = np.full(self.R, int(need.value), dtype=np.int64)
+            self.batched_stats = (n, need, acc, per_head)
         self.scores_format = scores
         self.wd.fold(self.scores())  # the prompt's statistics
         self.sync()
@@ -538,11 +554,14 @@ class WorkerStepBench:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def scores(self) -> Optional[dict]:
+    def scores(self) -> Any:
         """One step's ``ScoreMap``: req_id -> (col_sum or None, last_row or None), ``[S, live]``
         (``[live]`` at granularity ``request``)."""
         if not self.stats:
             return None
+        if self.batched_stats is not None:
+            n, need, acc, per_head = self.batched_stats
+            return BatchedScores(list(self.rids), n, need, acc, per_head, {}, None)
         col, last = self.stats.get("col"), self.stats.get("last")
         return {rid: (None if col is None else col[i], None if last is None else last[i])
                 for i, rid in enumerate(self.rids)}
@@ -894,8 +913,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--scores", default="numpy", choices=("numpy", "torch"),
-                   help="statistics handed to fold: numpy (StepScores.result today) or device tensors")
+    p.add_argument("--scores", default="batched", choices=("batched", "numpy", "torch"),
+                   help="statistics handed to fold: batched (StepScores.batched, the engine's), numpy "
+                        "(StepScores.result's ScoreMap) or its arrays as device tensors")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--default-malloc", action="store_true", help="keep glibc's malloc thresholds")
     p.add_argument("--quick", action="store_true", help="R = 8 32, 256 live tokens, 3 steps")

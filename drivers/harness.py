@@ -185,6 +185,7 @@ def run_spec(spec: dict[str, Any], hooks: Optional[RunHooks] = None) -> dict[str
         ValueError: a bad ``"hooks"`` reference.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VTOKEN_RECORD_FINISHED"] = "1"  # the finished requests' records (out["vtoken"]["finished"])
     if spec.get("check", True):
         os.environ["VTOKEN_CHECK"] = "1"
     if hooks is None:

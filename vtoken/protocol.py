@@ -17,7 +17,20 @@ This module never imports vllm.
 
 from __future__ import annotations
 
-from vtoken.repack import _check_block_size, cdiv
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ``a`` by positive ``b`` (``-(-a // b)``)."""
+    return -(-a // b)
+
+
+def _check_block_size(block_size: int) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return int(block_size)
+
 
 __all__ = ["CountTable", "evictable"]
 
@@ -41,7 +54,7 @@ def evictable(num_live: int, num_logical: int, sink_tokens: int, recent_tokens: 
 class CountTable:
     """A request's token table in counts only: the scheduler's view.
 
-    The counts equal :class:`vtoken.token_table.TokenTable`'s for the same appends and
+    The counts equal ``tests/reference/token_table.py`` ``TokenTable``'s for the same appends and
     evictions; which slots hold which positions is the worker's business.
 
     Attributes:

@@ -10,7 +10,7 @@ shapes except the move lists.
 
 Layout (padded, one row per request): ``[R, N]`` tensors where row ``r`` holds request ``r``'s
 request-relative physical slots ``0..num_live[r]-1`` (slot ``s`` lives in the request's block
-``s // block_size`` at offset ``s % block_size``, as in :mod:`vtoken.repack`); columns
+``s // block_size`` at offset ``s % block_size``, as in ``tests/reference/repack.py``); columns
 ``>= num_live[r]`` are padding and are ignored whatever they hold.
 
 The rules are those of :meth:`vtoken.policies.base.EvictionPolicy.select_victims`, the
@@ -237,7 +237,7 @@ class MovePlan(NamedTuple):
             (``>= new_live[row]``).
         dst: int64 ``[M]``: request-relative slot it moves to, a hole (``< new_live[row]``).
             Within a row, holes ascending pair with live tail slots ascending, as in
-            :func:`vtoken.repack.plan_repack`; moves are ordered by row.
+            ``plan_repack`` (``tests/reference/repack.py``); moves are ordered by row.
         new_live: int64 ``[R]``: live slots per request after the eviction.
     """
 
@@ -256,7 +256,7 @@ def plan_moves(victims: torch.Tensor, num_live: IntOrTensor) -> MovePlan:
         num_live: live slots per request before the eviction, int or int64 ``[R]``.
 
     Returns:
-        :class:`MovePlan`. Row by row, ``(src, dst)`` equal :func:`vtoken.repack.plan_repack`'s
+        :class:`MovePlan`. Row by row, ``(src, dst)`` equal ``plan_repack`` (``tests/reference/repack.py``)'s
         for that request's victims. The live tail tokens of a row are exactly as many as its
         holes below the new count, so the two ``nonzero`` lists pair up in order.
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from vtoken.config import VTokenConfig
 from vtoken.decider import DeviceDecider, SideCache
 from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
-from vtoken.repack import NaiveEvictCounter
-from vtoken.token_table import TokenTable
+from reference.repack import NaiveEvictCounter
+from reference.token_table import TokenTable
 
 B = 4
 POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm", "keydiff", "snapkv", "expected_attention"]

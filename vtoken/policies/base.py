@@ -136,7 +136,7 @@ class SlotState:
 
         Args:
             src, dst: int64 ``[num_moves]`` request-relative slots, as planned by
-                :func:`vtoken.repack.plan_repack` (disjoint sets).
+                the repack planner (disjoint sets; ``tests/reference/repack.py``).
         """
         if len(src) == 0:
             return
@@ -147,8 +147,7 @@ class SlotState:
         """Keep slots ``keep`` (int64 ``[k]``, ascending) and pack them into ``0..k-1``.
 
         Used by the dense oracle, whose cache stays in logical order. ``keep`` may also be
-        a permutation of ``0..k-1`` (the scheduler reorders a preempted request's slots by
-        logical position, :meth:`vtoken.token_table.TokenTable.sort_by_position`).
+        a permutation of ``0..k-1``.
         """
         k = len(keep)
         for a in self.arrays.values():

@@ -253,7 +253,7 @@ class CountNaive:
     keeps the evicted positions and reports how many logical blocks are entirely dead
     (``DeviceDecider.naive_freed_blocks``, through ``ModelRunnerOutput.vtoken_naive_freed``), so
     the retained blocks are ``cdiv(logical, B) - freed``, as
-    :class:`vtoken.repack.NaiveEvictCounter` counts them from the positions. The report of a step
+    ``NaiveEvictCounter`` (``tests/reference/repack.py``) counts them from the positions. The report of a step
     arrives after its forward: one step after the scheduler path would count the same eviction
     (two under async scheduling). Until it arrives Naive-Evict is charged the blocks it held
     before, so the lag only ever adds blocks to the baseline."""

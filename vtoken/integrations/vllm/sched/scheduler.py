@@ -137,8 +137,11 @@ class VTokenSchedulerMixin:
         self._vt_trace = open(trace, "a", buffering=1) if trace else None
         self._vt_step_no = 0
         self._vt_freed_this_step: list[int] = []
-        #: finished requests' lifetime figures (bounded; read by the harness and benchmarks)
+        #: finished requests' lifetime figures with their eviction logs (the oracle tests and the
+        #: benchmarks replay them): kept only under ``VTOKEN_RECORD_FINISHED=1`` (the harness sets
+        #: it), so a serving engine keeps nothing per finished request (its memory stays flat)
         self.vt_finished: list[dict[str, Any]] = []
+        self._vt_record = os.environ.get("VTOKEN_RECORD_FINISHED", "0") not in ("", "0")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request) -> None:
@@ -1004,11 +1007,14 @@ class VTokenSchedulerMixin:
             request.num_computed_tokens = st.table.num_logical
 
     def _vt_record_finished(self, rid: str, st: RequestState) -> None:
-        if len(self.vt_finished) >= 100_000:
-            del self.vt_finished[: len(self.vt_finished) // 2]
-        rec = st.lifetime(rid)
-        self.vt_finished.append(rec)
-        self._vt_metrics.observe_finished(rec)
+        """The finished request's figures go to the ``vtoken:request_peak_blocks`` histogram;
+        the record itself is kept only under ``VTOKEN_RECORD_FINISHED=1`` (:attr:`vt_finished`)."""
+        if self._vt_record:
+            rec = st.lifetime(rid)
+            self.vt_finished.append(rec)
+            self._vt_metrics.observe_finished(rec)
+        else:
+            self._vt_metrics.observe_finished({"peak_blocks": st.peak_blocks})
 
     def _vt_update_gauges(self) -> None:
         s = self.vt_stats

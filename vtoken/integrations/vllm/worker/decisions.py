@@ -199,11 +199,9 @@ class _Group:
                 self.bt[row, i] = new
 
     def table(self, rows) -> torch.Tensor:
-        """The block ids of ``rows`` (a list or int64 array), ``[R, width]`` on the decider's
-        device, ``width`` the most blocks any of them holds (at least 1)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        width = max(1, int(self.nblocks[rows].max())) if len(rows) else 1
-        return torch.from_numpy(self.bt[rows, :width]).to(self.dec.live.device)
+        """The block ids of ``rows`` (a list or int64 array), ``[R, table width]`` on the
+        decider's device."""
+        return torch.from_numpy(self.bt[rows]).to(self.dec.live.device)
 
 
 class WorkerDecisions:

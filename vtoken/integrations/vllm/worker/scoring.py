@@ -122,17 +122,21 @@ def set_means(gran: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def set_means_batched(gran: str, t: torch.Tensor) -> torch.Tensor:
-    """:func:`set_means` of every row at once: ``[R, L, Hkv, n]`` -> ``[R, S, n]`` (the same
-    reductions over the same axes, so the same values as row by row)."""
+    """:func:`set_means` of every row at once: ``[R, L, Hkv, n]`` -> ``[R, S, n]`` for ``head``,
+    ``layer`` and ``head_shared`` (one reduction over the same axis: the same values as row by
+    row; ``request``'s mean over two axes is not, so it has no batched form here: its rows take
+    ``StepScores``' mean over every layer and head instead).
+
+    Raises:
+        ValueError: another granularity.
+    """
     if gran == "head":
         return t.reshape(t.shape[0], -1, t.shape[-1])
     if gran == "layer":
         return t.mean(dim=2)
     if gran == "head_shared":
         return t.mean(dim=1)
-    if gran == "request":
-        return t.mean(dim=(1, 2))[:, None]
-    raise ValueError(f"vToken scoring: unknown granularity {gran!r}")
+    raise ValueError(f"vToken scoring: no batched set means for granularity {gran!r}")
 
 
 class BatchedScores:

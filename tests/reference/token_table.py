@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtoken.repack import (
+from reference.repack import (
     RepackPlan,
     _as_index_array,
     _SMALL,
