@@ -19,10 +19,14 @@ wrappers (a few microseconds per call):
   ``kv_moves`` (``VTokenWorkerCore._apply_set_moves``: K/V moves in every layer),
   ``begin_step`` (``VTokenWorkerCore.begin_step``, containing the two before),
   ``start_scoring``, ``scoring_layers`` (``StepScores.accumulate``, in the attention wrapper,
-  every layer), ``scoring_result`` (``StepScores.result``: the deferred one-query rows and the
-  packing), ``fold`` (``WorkerDecisions.fold``), ``naive`` (``WorkerDecisions.take_naive_freed``),
+  every layer), ``scoring_result`` (``StepScores.result`` or ``.batched``: the deferred
+  one-query rows and the packing), ``fold`` (``WorkerDecisions.fold``), ``naive`` (``WorkerDecisions.take_naive_freed``),
   ``physical`` (``_vt_physical_inputs``: physical ``seq_lens`` and slot mapping);
 * ``forward``   -- ``executor`` minus every vToken part above (the model and sampling, stock's work).
+
+``--baseline DIR`` adds an arm ``vtoken_base``: the vToken arm's config on the vToken code of
+another tree (e.g. ``git archive COMMIT | tar -x -C DIR``: the code before a change), its
+package first on ``PYTHONPATH``, in the same alternation.
 
 ``--profile`` adds one more run of each arm per repetition under ``cProfile`` (the steps after the
 first decode step): the functions ranked by own time and by cumulative time, and the vToken
@@ -45,7 +49,9 @@ import os
 import pstats
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -92,6 +98,7 @@ class StepHooks(RunHooks):
 
         for cls, name, key in ((scoring.StepScores, "accumulate", "scoring_layers"),
                                (scoring.StepScores, "result", "scoring_result"),
+                               (scoring.StepScores, "batched", "scoring_result"),
                                (worker_core.VTokenWorkerCore, "begin_step", "begin_step"),
                                (worker_core.VTokenWorkerCore, "_apply_set_moves", "kv_moves"),
                                (worker_core.VTokenWorkerCore, "start_scoring", "start_scoring"),
@@ -99,7 +106,8 @@ class StepHooks(RunHooks):
                                (decisions.WorkerDecisions, "fold", "fold"),
                                (decisions.WorkerDecisions, "take_naive_freed", "naive"),
                                (runner_v1.VTokenV1Adapter, "_vt_physical_inputs", "physical")):
-            setattr(cls, name, timed(getattr(cls, name), key))
+            if hasattr(cls, name):  # (a baseline tree may lack one)
+                setattr(cls, name, timed(getattr(cls, name), key))
         core = engine.engine_core.engine_core
         ex = core.model_executor
         for name in ("execute_model", "sample_tokens"):
@@ -181,6 +189,22 @@ def make_spec(model_dir: str, dtype: str, vocab: tuple[int, int], vt: dict | Non
     return dict(engine=engine, vtoken=vt, requests=reqs, check=False, hooks=f"{Path(__file__).resolve()}:{hooks}")
 
 
+def run_in_tree(spec: dict, root: str, env: dict, timeout: float) -> dict:
+    """``drivers.harness.run_in_subprocess`` with another tree's ``vtoken`` (and ``drivers``) first."""
+    with tempfile.TemporaryDirectory() as d:
+        sp, op = Path(d) / "spec.json", Path(d) / "out.json"
+        sp.write_text(json.dumps(spec))
+        e = dict(os.environ)
+        e.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        e.update(env)
+        e["PYTHONPATH"] = os.pathsep.join([root] + [x for x in e.get("PYTHONPATH", "").split(os.pathsep) if x])
+        p = subprocess.run([sys.executable, "-m", "drivers.harness", str(sp), str(op)], env=e, capture_output=True,
+                           text=True, timeout=timeout, start_new_session=True, cwd=root)
+        if p.returncode != 0 or not op.exists():
+            raise RuntimeError(f"harness run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
+        return json.loads(op.read_text())
+
+
 def split(steps: list[dict], min_batch: int) -> dict[str, Any]:
     rows = [s for s in steps if s.get("decode_only") and s.get("batch", 0) >= min_batch]
     n = len(rows)
@@ -208,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vtoken", default='{"policy": "h2o", "budget": 64}', help="the vToken arm's config (JSON)")
     ap.add_argument("--profile", action="store_true", help="one more cProfile'd run of each arm per repetition")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="another tree whose vtoken/ runs the vToken config as arm vtoken_base")
     ap.add_argument("--name", default="engine_step")
     a = ap.parse_args(argv)
 
@@ -219,12 +245,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         mdir, dtype, vocab = str(ensure_smollm2()), "bfloat16", (100, 49000)
     arms = {"stock": None, "vtoken": json.loads(a.vtoken)}
+    if a.baseline:
+        arms["vtoken_base"] = json.loads(a.vtoken)
+    tree = {"vtoken_base": str(Path(a.baseline).resolve())} if a.baseline else {}
+
+    def run_arm(spec: dict, arm: str) -> dict:
+        if arm in tree:
+            return run_in_tree(spec, tree[arm], env, 1800)
+        return run_in_subprocess(spec, env=env, timeout=1800)
+
     env = {"OMP_NUM_THREADS": str(a.threads)}
     doc: dict[str, Any] = dict(bench="bench_engine_step", command="python " + " ".join(["benchmarks/bench_engine_step.py"] + argv),
                                machine=machine_info(), loadavg_before=list(os.getloadavg()),
                                config=dict(model=a.model, batch=a.batch, prompt_len=a.prompt_len,
                                            output_len=a.output_len, block_size=a.block_size, reps=a.reps,
-                                           threads=a.threads, arms=arms,
+                                           threads=a.threads, arms=arms, baseline=a.baseline,
                                            metric="per decode-only step (batch >= half of --batch), median over "
                                                   "the run's steps; parts nested as in the module docstring"),
                                runs=[], profiles=[])
@@ -235,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = make_spec(mdir, dtype, vocab, arms[arm], batch=a.batch, prompt_len=a.prompt_len,
                              output_len=a.output_len, block_size=a.block_size, hooks="StepHooks")
             la = os.getloadavg()[0]
-            out = run_in_subprocess(spec, env=env, timeout=1800)
+            out = run_arm(spec, arm)
             s = split(out["steps_timed"], a.batch // 2)
             run = dict(rep=rep, arm=arm, load_average_1m=la, **s)
             doc["runs"].append(run)
@@ -246,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in (order if a.profile else ()):
             spec = make_spec(mdir, dtype, vocab, arms[arm], batch=a.batch, prompt_len=a.prompt_len,
                              output_len=a.output_len, block_size=a.block_size, hooks="ProfileHooks")
-            out = run_in_subprocess(spec, env=env, timeout=1800)
+            out = run_arm(spec, arm)
             doc["profiles"].append(dict(rep=rep, arm=arm, load_average_1m=os.getloadavg()[0], **out["profile"]))
             prof = out["profile"]
             print(f"profile rep {rep} {arm}: total {prof['total_s']} s; top own time:")
@@ -259,12 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     for arm in arms:
         rs = [r for r in doc["runs"] if r["arm"] == arm and r.get("decode_steps")]
         res[arm] = {p: statistics.median(r["parts"][p]["median_ms"] for r in rs) for p in PARTS}
-    ratios = [v["parts"]["step"]["median_ms"] / s["parts"]["step"]["median_ms"]
-              for rep in range(a.reps)
-              for v in doc["runs"] if v["rep"] == rep and v["arm"] == "vtoken"
-              for s in doc["runs"] if s["rep"] == rep and s["arm"] == "stock"]
+    def ratios_of(arm: str) -> list[float]:
+        return [v["parts"]["step"]["median_ms"] / s["parts"]["step"]["median_ms"]
+                for rep in range(a.reps)
+                for v in doc["runs"] if v["rep"] == rep and v["arm"] == arm
+                for s in doc["runs"] if s["rep"] == rep and s["arm"] == "stock"]
+
+    ratios = ratios_of("vtoken")
     doc["results"] = dict(median_ms=res, step_ratio_per_rep=ratios,
                           step_ratio_median=statistics.median(ratios) if ratios else None)
+    if a.baseline:
+        rb = ratios_of("vtoken_base")
+        doc["results"].update(base_step_ratio_per_rep=rb, base_step_ratio_median=statistics.median(rb) if rb else None)
     doc["loadavg_after"] = list(os.getloadavg())
     doc["total_wall_s"] = round(time.time() - t_start, 1)
     path = RESULTS / f"{a.name}.json"
@@ -273,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in PARTS:
         print(f"{p:>15} | " + " | ".join(f"{res[arm][p]:9.3f}" for arm in arms))
     print(f"vtoken / stock step: {ratios} (median {doc['results']['step_ratio_median']})")
+    if a.baseline:
+        print(f"vtoken_base / stock step: {doc['results']['base_step_ratio_per_rep']} "
+              f"(median {doc['results']['base_step_ratio_median']})")
     print(f"wrote {path} ({doc['total_wall_s']} s; load {doc['loadavg_before']} -> {doc['loadavg_after']})")
     return 0
 

@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from vtoken.policies.base import EvictionPolicy
-from vtoken.select import global_slots, plan_moves, select_victims
+from vtoken.select import global_slots, plan_moves, select_one, select_victims
 
 __all__ = ["SideCache", "DeviceDecider", "Eviction", "side_bytes_per_token"]
 
@@ -463,11 +463,17 @@ class DeviceDecider:
         req = {name: t[:, rows].reshape(sets * r) for name, t in self.req_fields.items()}
         live_f = self._rep(live)
         scores = self.policy.score_batched({**fields, **req}, pos, live_f)
-        victims = select_victims(scores, pos, live_f, self._rep(k), sink_tokens=self._rep(sink_tokens),
-                                 recent_tokens=self._rep(recent_tokens),
-                                 protected_prefix=self._rep(protected_prefix), num_logical=self._rep(self.logical[rows]),
-                                 max_evict=max_evict, check=False)
-        plan = plan_moves(victims, live_f)
+        prot = dict(sink_tokens=self._rep(sink_tokens), recent_tokens=self._rep(recent_tokens),
+                    protected_prefix=self._rep(protected_prefix), num_logical=self._rep(self.logical[rows]))
+        one = None
+        if max_evict is not None and max_evict <= 1 and r:  # (a decode step: one victim per set at most)
+            one = select_one(scores, pos, live_f, self._rep(k), **prot, check=False)
+        if one is not None:
+            plan, ev_rows, ev_cols = one.plan, one.ev_rows, one.ev_cols
+        else:
+            victims = select_victims(scores, pos, live_f, self._rep(k), **prot, max_evict=max_evict, check=False)
+            plan = plan_moves(victims, live_f)
+            ev_rows, ev_cols = victims.nonzero(as_tuple=True)
         new_live = plan.new_live.view(sets, r)
         as_expected = None
         if r and expect_live is not None:  # one host read: the sets' counts and the caller's
@@ -476,7 +482,6 @@ class DeviceDecider:
                 raise RuntimeError(f"vToken: token sets of a request would keep different counts: {new_live.tolist()}")
         elif sets > 1 and r and not bool((new_live == new_live[:1]).all()):  # one host sync
             raise RuntimeError(f"vToken: token sets of a request would keep different counts: {new_live.tolist()}")
-        ev_rows, ev_cols = victims.nonzero(as_tuple=True)
         req_rows = plan.rows % r if sets > 1 else plan.rows
         set_ids = plan.rows // r if sets > 1 else torch.zeros_like(plan.rows)
         src = slots[req_rows, plan.src]

@@ -32,7 +32,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["protected_mask", "select_victims", "plan_moves", "MovePlan", "global_slots"]
+__all__ = ["protected_mask", "select_victims", "plan_moves", "MovePlan", "select_one", "plan_one", "OneEviction",
+           "global_slots"]
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -275,6 +276,73 @@ def plan_moves(victims: torch.Tensor, num_live: IntOrTensor) -> MovePlan:
     rows, dst = (victims & below).nonzero(as_tuple=True)
     _, src = (valid & ~victims & ~below).nonzero(as_tuple=True)
     return MovePlan(rows, src, dst, new_live)
+
+
+class OneEviction(NamedTuple):
+    """:func:`select_one`'s victims and :func:`plan_one`'s repack: at most one victim per row.
+
+    Attributes:
+        has: bool ``[R]``: the row evicts a token.
+        col: int64 ``[R]``: its victim's slot (meaningless where not ``has``).
+        plan: the :class:`MovePlan` (:func:`plan_moves`'s for the same victims).
+        ev_rows, ev_cols: int64 ``[V]``: the victims as ``victims.nonzero(as_tuple=True)`` lists them.
+    """
+
+    has: torch.Tensor
+    col: torch.Tensor
+    plan: MovePlan
+    ev_rows: torch.Tensor
+    ev_cols: torch.Tensor
+
+
+def select_one(
+    scores: torch.Tensor,
+    logical_pos: torch.Tensor,
+    num_live: torch.Tensor,
+    num_to_evict: torch.Tensor,
+    *,
+    sink_tokens: IntOrTensor = 0,
+    recent_tokens: IntOrTensor = 0,
+    protected_prefix: IntOrTensor = 0,
+    num_logical: Optional[IntOrTensor] = None,
+    check: bool = True,
+) -> Optional[OneEviction]:
+    """:func:`select_victims` and :func:`plan_moves` for rows that evict at most one token each
+    (``num_to_evict <= 1``: a steady decode step), as the victim's column per row instead of an
+    ``[R, N]`` mask: the row's lowest candidate score, the smallest logical position among its
+    ties (``_select_few``'s ``k = 1`` rule), and at most one move (the last live slot into the
+    victim's, unless the victim is the last). Same victims and moves as the general pair, in the
+    same order, with fewer operations and one ``nonzero`` fewer.
+
+    Args:
+        num_live, num_to_evict: int64 ``[R]`` (every ``num_to_evict <= 1``; the caller knows).
+        Others: as :func:`select_victims`.
+
+    Returns:
+        :class:`OneEviction`, or None when a score is ``NaN`` (the general pair then decides).
+    """
+    r, n, live = _check_2d(logical_pos, num_live, check)
+    dev = logical_pos.device
+    if bool(torch.isnan(scores).any()):  # host sync (as select_victims' choice of its path)
+        return None
+    pos = logical_pos.to(torch.int64)
+    prot = protected_mask(pos, live, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                          protected_prefix=protected_prefix, num_logical=num_logical, check=False)
+    cand = (torch.arange(n, device=dev)[None, :] < live[:, None]) & ~prot
+    s = torch.where(cand, scores, torch.full((), float("inf"), dtype=scores.dtype, device=dev))
+    tie = cand & (s == s.min(dim=1, keepdim=True).values)
+    col = torch.where(tie, pos, torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)).argmin(dim=1)
+    has = (num_to_evict > 0) & cand.any(dim=1)
+    return plan_one(has, col, live)
+
+
+def plan_one(has: torch.Tensor, col: torch.Tensor, num_live: torch.Tensor) -> OneEviction:
+    """:func:`plan_moves` for at most one victim per row (``has``, at slot ``col``): the row's
+    last live slot fills the hole unless it is the victim. Moves ordered by row."""
+    new_live = num_live - has.to(num_live.dtype)
+    rows = (has & (col < new_live)).nonzero().squeeze(1)
+    ev_rows = has.nonzero().squeeze(1)
+    return OneEviction(has, col, MovePlan(rows, new_live[rows], col[rows], new_live), ev_rows, col[ev_rows])
 
 
 def global_slots(block_table: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:

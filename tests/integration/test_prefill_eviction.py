@@ -243,12 +243,30 @@ def test_naive_evict_keeps_stock_admission(tiny, oracle):
                                requests=LONG), env=path_env("v1-sync"))
 
 
-def test_refused_without_worker_decisions_only():
+def test_pool_below_one_requests_bound_is_refused_by_vtoken_first(tiny):
+    """A pool (16 blocks, 512 tokens) below one request's bound (budget 128 + slack 0 + chunk
+    1,024 + 1 = 1,153 tokens, itself below max_model_len 2,100): vToken's refusal leads the
+    message, naming the bound, the pool and the options that change them; vLLM's own check
+    follows. A bound at or above max_model_len leaves vLLM's own refusal as it is."""
+    with pytest.raises(RuntimeError, match=r"ValueError: vToken: the KV cache holds \d+ tokens, below one request's "
+                                           r"bound of 1153 tokens \(prefill_eviction chunks: vtoken.budget \+ slack \+ "
+                                           r"--max-num-batched-tokens \+ 1\); raise the KV cache \(--kv-cache-memory-bytes"):
+        run_in_subprocess(dict(engine=dict(_engine(tiny), **dict(LONG_ENGINE, max_num_batched_tokens=1024)),
+                               vtoken=LONG_VT, requests=LONG), env=path_env("v1-sync"))
+    with pytest.raises(RuntimeError, match="max seq len") as e:
+        run_in_subprocess(dict(engine=dict(_engine(tiny), **dict(LONG_ENGINE, max_num_batched_tokens=2048)),
+                               vtoken=LONG_VT, requests=LONG), env=path_env("v1-sync"))
+    assert "vToken: the KV cache holds" not in str(e.value)
+
+
+def test_decide_on_scheduler_is_refused_by_name():
     from vtoken.config import VTokenConfigError
 
-    with pytest.raises((ValueError, VTokenConfigError), match="prefill_eviction = 'chunks' needs vtoken.decide_on"):
+    with pytest.raises((ValueError, VTokenConfigError), match="vtoken.decide_on = 'scheduler': the scheduler-side "
+                                                              "eviction path was removed"):
         parse_config(dict(VT, decide_on="scheduler"))
-    assert parse_config(dict(VT, pacing="pressure")).prefill_eviction == "chunks"  # pressure: allowed
+    assert parse_config(dict(VT, decide_on="worker")) == parse_config(VT)  # deprecated, no effect
+    assert parse_config(dict(VT, pacing="pressure")).prefill_eviction == "chunks"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -89,11 +89,15 @@ def install() -> None:
             if bound is None or available_memory <= 0:
                 raise
             fits = estimate_max_model_len(available_memory)
+            if bound >= max_model_len:  # vToken's bound never asks more than stock vLLM needs
+                raise
             if fits < bound:
                 raise ValueError(
-                    f"{e} vToken (prefill_eviction: chunks) needs room for one request's bound instead: "
-                    f"budget + slack + max_num_batched_tokens + 1 = {bound} tokens, and the KV cache holds {fits}"
-                ) from None
+                    f"vToken: the KV cache holds {fits} tokens, below one request's bound of {bound} tokens "
+                    f"(prefill_eviction chunks: vtoken.budget + slack + --max-num-batched-tokens + 1); raise the KV "
+                    "cache (--kv-cache-memory-bytes, --num-gpu-blocks-override, --gpu-memory-utilization) or lower "
+                    f"vtoken.budget or --max-num-batched-tokens (stock vLLM would need --max-model-len = "
+                    f"{max_model_len} tokens). vLLM's check: {e}") from None
             logger.info("vToken: max_model_len = %d does not fit the KV cache (%d tokens), but with "
                         "prefill_eviction: chunks a request holds at most budget + slack + max_num_batched_tokens + 1 "
                         "= %d tokens, which fits: prompts longer than the KV cache are admitted", max_model_len,
