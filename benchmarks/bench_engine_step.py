@@ -57,9 +57,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import RESULTS, machine_info  # noqa: E402
+RESULTS = HERE / "results"
 
+# (no ``common`` import here: the hooks load in the engine's process before vLLM, and ``common``
+# puts this checkout first on sys.path, which would shadow a ``--baseline`` tree's vtoken)
+if str(HERE.parent) not in sys.path:
+    sys.path.append(str(HERE.parent))  # (last: a baseline tree on PYTHONPATH comes first)
 from drivers.harness import RunHooks  # noqa: E402
 
 #: vToken's timed parts (nested: begin and kv_moves are inside begin_step)
@@ -146,7 +149,10 @@ class StepHooks(RunHooks):
             self.seen_decode = True
 
     def finish(self, out: dict[str, Any]) -> None:
+        import vtoken
+
         out["steps_timed"] = self.steps
+        out["vtoken_package"] = str(Path(vtoken.__file__).parent)
         if self.prof is not None:
             out["profile"] = profile_summary(self.prof)
 
@@ -237,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="engine_step")
     a = ap.parse_args(argv)
 
+    sys.path.insert(0, str(HERE))
+    from common import machine_info
     from vtoken.assets.paths import ensure_smollm2, ensure_tiny_model
     from drivers.harness import run_in_subprocess
 
@@ -272,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             la = os.getloadavg()[0]
             out = run_arm(spec, arm)
             s = split(out["steps_timed"], a.batch // 2)
-            run = dict(rep=rep, arm=arm, load_average_1m=la, **s)
+            run = dict(rep=rep, arm=arm, load_average_1m=la, vtoken_package=out.get("vtoken_package"), **s)
             doc["runs"].append(run)
             p = s.get("parts", {})
             print(f"rep {rep} {arm:>7}: {s['decode_steps']} decode steps, step {p.get('step', {}).get('median_ms', 0):.2f} ms "

@@ -1191,3 +1191,22 @@ def test_benchmarks_readme_step_cost_with_a_slack():
     st = {x["arm"]: x["vtoken_stats"] for x in d["runs"] if x["rep"] == 0}["evict-keydiff:sl16@worker"]
     assert st["evictions"] == 8 * (128 // 16) and st["retained_blocks"] == 8 * 3
     assert "holds 64-80 live tokens instead of 64 (here still 3 blocks of 32)" in flat
+
+
+def test_benchmarks_readme_preemption_table_matches_result():
+    """``bench_preempt.py``: every row of the README's preemption table is the result file's
+    (vLLM's scheduled-token count at the resume, live and logical tokens at the preemption)."""
+    import json
+    import re
+
+    d = json.loads((ROOT / "benchmarks" / "results" / "preempt_recompute.json").read_text())
+    assert d["meta"]["command"] == "python benchmarks/bench_preempt.py"
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    assert "`python benchmarks/bench_preempt.py` -> `results/preempt_recompute.json`" in text
+    for gran, v in d["granularity"].items():
+        r, = v["resumes"]
+        row = (f"| {gran} | {v['preemptions']} | {r['live']} | {r['logical']} | {r['scheduled']} | {r['live'] + 1} | "
+               f"{r['logical'] + 1} | {r['blocks']} |")
+        assert row in text, row
+        assert r["scheduled"] == 1 and r["live"] < r["logical"] and v["request_faults"] == 0, (gran, r)
+    assert re.search(r"\| head \| 1 \| \d+ \| \d+ \| 1 \|", text)

@@ -211,7 +211,7 @@ class DeviceDecider:
     def _rep(self, v: torch.Tensor | int) -> torch.Tensor | int:
         """A per-request value ``[R]`` for every (set, request) row ``[S*R]`` (ints pass)."""
         if isinstance(v, torch.Tensor) and self.num_sets > 1:
-            return v.repeat(self.num_sets)
+            return torch.cat([v] * self.num_sets)  # (= v.repeat(num_sets); a cheaper op for small [R])
         return v
 
     def _slots(self, rows: torch.Tensor, block_table: torch.Tensor, n: int,
@@ -303,9 +303,21 @@ class DeviceDecider:
             n_max = int(counts.max())  # a host read: the batch's widest chunk
         if n_max == 0:
             return
+        bs = self.block_size
+        if uniform and n_max == 1:  # a decode step: one token per row, at slot ``live``
+            rel = self.live[rows]
+            at = block_table.gather(1, (rel // bs)[:, None])[:, 0].to(torch.int64) * bs + rel % bs
+            own = at if no_shared else at[rel >= self.shared[rows]]
+            for k, t in self.side.fields.items():
+                if k != "pos":
+                    t[:, own] = 0
+            self.side.fields["pos"][:, at] = self.logical[rows][None, :]
+            counts = counts if counts.dtype == torch.int64 else counts.to(torch.int64)
+            self.live.index_add_(0, rows, counts)  # (distinct rows)
+            self.logical.index_add_(0, rows, counts)
+            return
         j = self._cols(n_max)[0]
         rel = self.live[rows][:, None] + j[None, :]
-        bs = self.block_size
         logical = self.logical[rows][:, None] + j[None, :]
         if uniform:  # no padding: every (row, j) is a new token, in row-major order
             slots = block_table.gather(1, rel // bs).to(torch.int64) * bs + rel % bs
@@ -467,7 +479,7 @@ class DeviceDecider:
                     protected_prefix=self._rep(protected_prefix), num_logical=self._rep(self.logical[rows]))
         one = None
         if max_evict is not None and max_evict <= 1 and r:  # (a decode step: one victim per set at most)
-            one = select_one(scores, pos, live_f, self._rep(k), **prot, check=False)
+            one = select_one(scores, pos, live_f, self._rep(k), **prot, check=False, all_live=full and width is not None)
         if one is not None:
             plan, ev_rows, ev_cols = one.plan, one.ev_rows, one.ev_cols
         else:

@@ -79,6 +79,7 @@ def protected_mask(
     protected_prefix: IntOrTensor = 0,
     num_logical: Optional[IntOrTensor] = None,
     check: bool = True,
+    all_live: bool = False,
 ) -> torch.Tensor:
     """The slots no policy may evict, for every request at once.
 
@@ -94,6 +95,7 @@ def protected_mask(
             or no ``num_logical``, sort their positions.
         check: check the values of ``num_live`` (CPU tensors: two host reads); False for a
             caller whose counts are its own (:class:`vtoken.decider.DeviceDecider`).
+        all_live: every row has ``N`` live slots (the caller knows): no padding to mask.
 
     Returns:
         bool ``[R, N]``: True for a live slot that holds a sink, a position below
@@ -113,7 +115,7 @@ def protected_mask(
     sinks, recent, prefix = (v if type(v) is int else _per_row(v, r, dev, name) for v, name in (
         (sink_tokens, "sink_tokens"), (recent_tokens, "recent_tokens"), (protected_prefix, "protected_prefix")))
     pos = logical_pos.to(torch.int64)
-    valid = torch.arange(n, device=dev)[None, :] < live[:, None]
+    valid = None if all_live else torch.arange(n, device=dev)[None, :] < live[:, None]
     if type(sinks) is int and type(prefix) is int:
         first = max(sinks, prefix)
         prot = pos < first if first > 0 else torch.zeros((r, n), dtype=torch.bool, device=dev)
@@ -126,17 +128,19 @@ def protected_mask(
         cutoff = None
         if num_logical is not None:
             c = (_per_row(num_logical, r, dev, "num_logical") - r_eff)[:, None]
-            if bool((((pos >= c) & valid).sum(dim=1) == r_eff).all()):  # one host sync
+            inside = pos >= c if valid is None else (pos >= c) & valid
+            if bool((inside.sum(dim=1) == r_eff).all()):  # one host sync
                 cutoff = c
         if cutoff is None:
-            desc = torch.where(valid, pos, torch.full_like(pos, -1)).sort(dim=1, descending=True).values
+            desc = (pos if valid is None else torch.where(valid, pos, torch.full_like(pos, -1))).sort(
+                dim=1, descending=True).values
             idx = (r_eff - 1).clamp(min=0)
             cutoff = desc.gather(1, idx[:, None])
         if type(recent) is int:
             prot |= pos >= cutoff
         else:
             prot |= (recent > 0)[:, None] & (pos >= cutoff)
-    return prot & valid
+    return prot if valid is None else prot & valid
 
 
 def select_victims(
@@ -306,6 +310,7 @@ def select_one(
     protected_prefix: IntOrTensor = 0,
     num_logical: Optional[IntOrTensor] = None,
     check: bool = True,
+    all_live: bool = False,
 ) -> Optional[OneEviction]:
     """:func:`select_victims` and :func:`plan_moves` for rows that evict at most one token each
     (``num_to_evict <= 1``: a steady decode step), as the victim's column per row instead of an
@@ -316,6 +321,7 @@ def select_one(
 
     Args:
         num_live, num_to_evict: int64 ``[R]`` (every ``num_to_evict <= 1``; the caller knows).
+        all_live: as for :func:`protected_mask`.
         Others: as :func:`select_victims`.
 
     Returns:
@@ -327,8 +333,8 @@ def select_one(
         return None
     pos = logical_pos.to(torch.int64)
     prot = protected_mask(pos, live, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                          protected_prefix=protected_prefix, num_logical=num_logical, check=False)
-    cand = (torch.arange(n, device=dev)[None, :] < live[:, None]) & ~prot
+                          protected_prefix=protected_prefix, num_logical=num_logical, check=False, all_live=all_live)
+    cand = ~prot if all_live else (torch.arange(n, device=dev)[None, :] < live[:, None]) & ~prot
     s = torch.where(cand, scores, torch.full((), float("inf"), dtype=scores.dtype, device=dev))
     tie = cand & (s == s.min(dim=1, keepdim=True).values)
     col = torch.where(tie, pos, torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)).argmin(dim=1)

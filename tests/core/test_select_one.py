@@ -13,7 +13,7 @@ from vtoken.select import plan_moves, plan_one, select_one, select_victims
 
 
 def _case(rng: np.random.Generator, r: int, n: int, per_row: bool):
-    live = torch.from_numpy(rng.integers(0, n + 1, r))
+    live = torch.from_numpy(np.where(rng.random(r) < 0.4, n, rng.integers(0, n + 1, r)))
     logical = live + torch.from_numpy(rng.integers(0, 40, r))
     pos = torch.full((r, n), -7, dtype=torch.int64)  # padding holds junk
     for i in range(r):
@@ -63,3 +63,23 @@ def test_plan_one_with_the_last_slot_as_victim_moves_nothing():
     assert one.plan.rows.tolist() == [1] and one.plan.src.tolist() == [4] and one.plan.dst.tolist() == [1]
     assert one.plan.new_live.tolist() == [4, 4, 5]
     assert one.ev_rows.tolist() == [0, 1] and one.ev_cols.tolist() == [4, 1]
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_all_live_rows_skip_the_padding_mask_with_the_same_answer(seed, per_row):
+    """``all_live`` (every row has N live slots, the decider knows): same as without it."""
+    rng = np.random.default_rng(100 + seed)
+    for r, n in ((3, 9), (16, 40)):
+        scores, pos, live, k, logical, prot = _case(rng, r, n, per_row)
+        keep = live == n
+        if not keep.any():
+            continue
+        scores, pos, live, k, logical = scores[keep], pos[keep], live[keep], k[keep], logical[keep]
+        prot = {a: (v[keep] if isinstance(v, torch.Tensor) else v) for a, v in prot.items()}
+        for nl in (None, logical):
+            want = select_one(scores, pos, live, k, num_logical=nl, **prot)
+            got = select_one(scores, pos, live, k, num_logical=nl, all_live=True, **prot)
+            for a, b in zip(got.plan, want.plan):
+                assert torch.equal(a, b)
+            assert torch.equal(got.ev_rows, want.ev_rows) and torch.equal(got.ev_cols, want.ev_cols)

@@ -9,7 +9,6 @@ engine-wide counters and gauges exported as ``vtoken:`` metrics.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -18,7 +17,6 @@ from vtoken.policies.base import EvictionPolicy
 
 __all__ = ["RequestState", "VTokenStats", "cdiv"]
 
-_generation = itertools.count(1)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -83,7 +81,6 @@ class RequestState:
     #: smallest slot any repack move planned for this request writes (a large number: none
     #: yet). Blocks from here on are never hashed for later requests, even once it ends.
     min_dst_slot: int = 1 << 62
-    generation: int = field(default_factory=lambda: next(_generation))
     #: the scheduler step that made this state (the worker's reports of
     #: earlier steps belong to an earlier state of the same request)
     born_step: int = 0

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -412,6 +413,11 @@ class WorkerDecisions:
         ``(group, positions in codes or None for all of them, rows)``. Loops over groups only."""
         if not len(codes):
             return []
+        if len(self._glist) == 1:  # one group: a request's code is its row
+            if codes.min() >= 0:
+                return [(self._glist[0], None, codes)]
+            pos = np.flatnonzero(codes >= 0)
+            return [(self._glist[0], pos, codes[pos])] if len(pos) else []
         gids = codes >> 32  # (-1 stays -1)
         rows = codes & 0xFFFFFFFF
         lo, hi = int(gids.min()), int(gids.max())
@@ -487,10 +493,10 @@ class WorkerDecisions:
                           key_sim=self.key_reader(g.policy, table, g.dec.live[rows_t], g.granularity, **extra))
 
         prot = g.prot_h[rows]
+        same = (prot == prot[0]).all(axis=0).tolist()
 
         def per_request(i: int):  # one int when every request has the same (no [R] tensor ops)
-            col = prot[:, i]
-            return int(col[0]) if (col == col[0]).all() else torch.from_numpy(col.copy()).to(dev)
+            return int(prot[0, i]) if same[i] else torch.from_numpy(prot[:, i].copy()).to(dev)
 
         live = g.live_h[rows]
         width = int(live.max())
@@ -721,10 +727,10 @@ class WorkerDecisions:
                 x = src if at is None else src[torch.from_numpy(at).to(src.device)]
                 stat = (x if gran == "request" else set_means_batched(gran, x))[..., :width].to(dev)
                 # non-finite statistics are a fault confined to their request (never folded in);
-                # padding is 0 (or non-finite only where the row is)
-                bad = ~torch.isfinite(stat).reshape(stat.shape[0], -1).all(1)
-                if bool(bad.any()):
-                    bad_np = bad.cpu().numpy()
+                # padding is 0 (or non-finite only where the row is). Probabilities: their sum is
+                # finite exactly when every one is (one host read; the rows only where it is not)
+                if not math.isfinite(float(stat.sum())):
+                    bad_np = (~torch.isfinite(stat).reshape(stat.shape[0], -1).all(1)).cpu().numpy()
                     names = self._pick(sc.rids, at)
                     for i in np.flatnonzero(bad_np).tolist():
                         self._fault(names[i], FloatingPointError(
