@@ -200,10 +200,12 @@ def run_mode(p: dict, mode: str, arms: list[dict], prompts_: list[list[int]], mo
     import subprocess
     import tempfile
 
-    chunks = mode == "vtoken_chunks"  # decide_on: worker, prefill_eviction: chunks, chunk p["chunk"]
+    chunks = mode == "vtoken_chunks"  # prefill_eviction: chunks, chunk p["chunk"]
     vt = None if mode == "stock" else dict(mode="vtoken" if chunks else mode, policy="h2o", budget=min(p["budgets"]))
     if chunks:
-        vt.update(decide_on="worker", prefill_eviction="chunks")
+        vt.update(prefill_eviction="chunks")
+    elif vt is not None:  # the committed vtoken / naive arms: whole prompts, one token set per request
+        vt.update(prefill_eviction="after", granularity="request")
     spec = dict(engine=engine_kwargs(model_dir, dtype=p["dtype"], block_size=p["block_size"],
                                      max_model_len=p["prompt_len"] + p["gen"] + p["block_size"], num_blocks=num_blocks,
                                      # (vLLM: max_num_seqs <= max_num_batched_tokens, the chunk here)

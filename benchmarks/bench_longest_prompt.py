@@ -40,9 +40,9 @@ def _prompt(n: int) -> list[int]:
 
 def arms(budget: int) -> list[tuple[str, object]]:
     h2o = {"policy": "h2o", "budget": budget, "slack": 0}
-    return [("stock", None), ("naive", dict(h2o, mode="naive")),
-            ("vtoken_after", dict(h2o, decide_on="worker")),
-            ("vtoken_chunks", dict(h2o, decide_on="worker", prefill_eviction="chunks"))]
+    return [("stock", None), ("naive", dict(h2o, mode="naive", prefill_eviction="after")),
+            ("vtoken_after", dict(h2o, prefill_eviction="after")),
+            ("vtoken_chunks", dict(h2o, prefill_eviction="chunks"))]
 
 
 def try_length(vt, length: int, args) -> dict:

@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     vt = {"policy": "h2o", "budget": args.budget}
     arms = [("stock", None), ("vtoken", vt), ("vtoken_tova", dict(vt, policy="tova")),
             ("vtoken_skip", dict(vt, prefix_hits="skip")),
-            ("vtoken_keydiff", dict(vt, policy="keydiff", decide_on="worker")),
+            ("vtoken_keydiff", dict(vt, policy="keydiff")),
             ("vtoken_protect_prompt", dict(vt, protect_cached_prefix=True))]
     results = []
     for name, cfg in tqdm(arms, desc="arms", unit="server"):

@@ -93,8 +93,7 @@ def plan(size: str) -> dict:
                                 budgets=[128, 512], granularities=["head"], keyonly=True))
     if size == "prefill":
         # Issue 25: the quality cost of evicting between prefill chunks against evicting after the
-        # whole prompt, same budget, both under decide_on: worker at each policy's default token
-        # sets (chunks needs the worker; fixed pacing only)
+        # whole prompt, same budget, both at each policy's default token sets (fixed pacing only)
         return dict(oracle=dict(n_conv=40, prompt_len=1024, K=32, policies=["h2o", "tova", "snapkv"],
                                 budgets=[128, 512], prefill=["after", "chunks"], prefill_chunk=256))
     if size == "compress":
@@ -392,11 +391,11 @@ def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None =
         for conf in configs:
             bar.set_postfix_str(f"oracle c{ci} {conf}")
             pol, b, pc, g, pe = conf if conf else ("full", None, None, None, None)
-            # a granularity other than request, and prefill eviction by chunks, are worker-side
-            # (decide_on: worker) settings; the prefill axis runs both of its arms there
+            # no granularity on an axis: one token set per request (what the committed runs of
+            # those axes used); the prefill axis runs both of its arms at the policies' defaults
             cfg = None if conf is None else VTokenConfig(policy=pol, budget=b, pacing=pc, **(
-                {} if g is None else dict(decide_on="worker", granularity=g)), **(
-                {} if pe is None else dict(decide_on="worker", prefill_eviction=pe)), **plan_settings(p))
+                dict(granularity="request") if g is None and pe is None else {} if g is None else dict(granularity=g)),
+                **({} if pe is None else dict(prefill_eviction=pe)), **plan_settings(p))
             sched = schedules[b][ci] if pc == "pressure" else None
             chunks = None
             if pe is not None:  # vLLM's chunked prefill: full chunks, then the rest

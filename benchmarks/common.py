@@ -86,8 +86,9 @@ def machine_info() -> dict[str, Any]:
 
 def policy_spec(spec: str) -> tuple[str, dict[str, Any], str]:
     """A benchmark's policy spec ``NAME[:seK][:slK][@worker]``: ``:seK`` sets ``score_every = K``,
-    ``:slK`` ``slack = K``, ``@worker`` ``decide_on: worker`` (e.g. ``h2o``, ``h2o:se4``,
-    ``snapkv:sl128:se1000@worker``).
+    ``:slK`` ``slack = K`` (e.g. ``h2o``, ``h2o:se4``, ``snapkv:sl128:se1000@worker``). ``@worker``
+    once selected ``decide_on: worker``, now the only eviction path: it only keeps the arm tag
+    ``-worker`` of the committed results' arms (and their ``make`` targets).
 
     Returns:
         ``(policy name, the other vtoken config keys, an arm tag such as "snapkv-sl128-se1000-worker")``.
@@ -99,7 +100,7 @@ def policy_spec(spec: str) -> tuple[str, dict[str, Any], str]:
         raise SystemExit(f"--policies {spec}: allowed: NAME[:seK][:slK][@worker]")
     name, *opts = body.split(":")
     keys = {"se": "score_every", "sl": "slack"}
-    extra: dict[str, Any] = {"decide_on": "worker"} if at else {}
+    extra: dict[str, Any] = {}
     for opt in opts:
         if opt[:2] not in keys or not opt[2:].isdigit() or keys[opt[:2]] in extra:
             raise SystemExit(f"--policies {body!r}: allowed: NAME[:seK][:slK] (score_every K, slack K; "

@@ -264,20 +264,35 @@ class StepScores:
                 multis.append((row, rid, need, n, qs, qe))
         plan: dict[str, Any] = dict(singles=singles, multis=multis, keyed=keyed)
         if singles:
-            bs = kv_cache.shape[2]
             max_n = max(x[3] for x in singles)
-            s = torch.arange(max_n)
-            bt = meta.block_table[torch.tensor([x[0] for x in singles])].to(torch.int64)  # [R, max_blocks]
-            blocks = bt[:, (s // bs).clamp(max=bt.shape[1] - 1)].clamp(0, kv_cache.shape[0] - 1)  # [R, max_n]
-            lens = torch.tensor([x[3] for x in singles])
-            plan.update(blocks=blocks, offsets=s % bs, pad=s[None, :] >= lens[:, None],
-                        q_index=torch.tensor([x[4] for x in singles]), max_n=max_n,
-                        block_rows=bt.clamp(0, kv_cache.shape[0] - 1),
+            rows = [x[0] for x in singles]
+            r0 = rows[0]
+            # (every row of the batch in order, a decode step's: a slice, no gather)
+            bt = meta.block_table[r0:r0 + len(rows)] if rows == list(range(r0, r0 + len(rows))) else \
+                meta.block_table[torch.tensor(rows)]
+            lens_l = [x[3] for x in singles]
+            lens = torch.tensor(lens_l)
+            plan.update(q_index=torch.tensor([x[4] for x in singles]), max_n=max_n,
+                        # padding to mask (None: every row is max_n long)
+                        pad=None if min(lens_l) == max_n else torch.arange(max_n)[None, :] >= lens[:, None],
+                        block_rows=bt.to(torch.int64).clamp(0, kv_cache.shape[0] - 1),  # [R, max_blocks]
                         single_rids=[x[1] for x in singles], single_n=lens.numpy(),
                         single_need=np.array([x[2] for x in singles], dtype=np.int64),
                         # the mean over every layer and head only where a row keeps one token set
                         need_acc=any(x[1] not in self.grans for x in singles))
         return plan
+
+    def _blocks(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one-query rows' block id and in-block offset of each slot ``0..max_n-1`` (``[R,
+        max_n]``, ``[max_n]``), for the layer-by-layer key reads; made once per step."""
+        plan = self._plan
+        if "blocks" not in plan:
+            bs = kv_cache.shape[2]
+            s = torch.arange(plan["max_n"])
+            bt = plan["block_rows"]
+            plan["blocks"] = bt[:, (s // bs).clamp(max=bt.shape[1] - 1)]  # (block_rows is clamped already)
+            plan["offsets"] = s % bs
+        return plan["blocks"], plan["offsets"]
 
     def accumulate(self, impl, query: torch.Tensor, kv_cache: torch.Tensor, meta, layout: KVLayout,
                    layer_index: Optional[int] = None, key: Optional[torch.Tensor] = None) -> None:
@@ -318,7 +333,7 @@ class StepScores:
                 # 0..n-1 of this layer do not change before then)
                 self._single_q[layer_index] = (q, kv_cache, layout, impl)
             else:
-                k = layout.gather_keys_batched(kv_cache, plan["blocks"], plan["offsets"])  # [R, Hkv, max_n, hd]
+                k = layout.gather_keys_batched(kv_cache, *self._blocks(kv_cache))  # [R, Hkv, max_n, hd]
                 self._fold_singles(q[:, None], k[:, None], impl.scale, [layer_index])
         for row, rid, need, n, qs, qe in plan["multis"]:
             k = layout.gather_keys(kv_cache, meta.block_table[row].to(torch.int64), n)  # [Hkv, n, hd]
@@ -349,7 +364,8 @@ class StepScores:
         Hkv = k.shape[2]
         q = q.float().view(R, L, Hkv, Hq // Hkv, hd)
         logits = torch.einsum("rlkgd,rlknd->rlkgn", q, k) * scale
-        logits.masked_fill_(plan["pad"][rows][:, None, None, None, :], float("-inf"))
+        if plan["pad"] is not None:
+            logits.masked_fill_(plan["pad"][rows][:, None, None, None, :], float("-inf"))
         p_all = torch.softmax(logits, dim=-1)  # [R, L, Hkv, G, max_n]
         if plan["need_acc"]:
             probs = p_all.mean(dim=(2, 3)).double().sum(dim=1)  # [R, max_n]: each layer's mean, summed
@@ -376,7 +392,7 @@ class StepScores:
         if layers != list(range(L)) or any(qs[i][3].scale != scale for i in layers):
             for i in layers:
                 q, kv, lay, impl = qs[i]
-                k = lay.gather_keys_batched(kv, plan["blocks"], plan["offsets"])
+                k = lay.gather_keys_batched(kv, *self._blocks(kv))
                 self._fold_singles(q[:, None], k[:, None], impl.scale, [i])
             return
         q_all = torch.stack([qs[i][0] for i in layers], dim=1)  # [R, L, Hq, hd]
