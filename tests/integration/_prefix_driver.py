@@ -43,6 +43,7 @@ def _block_digest(caches, block_id: int) -> str:
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ["VTOKEN_CHECK"] = "1"
+    os.environ["VTOKEN_RECORD_FINISHED"] = "1"  # the finished requests' records (out["finished"])
     from vllm import LLM, SamplingParams
 
     from drivers.harness import _execution_path
