@@ -111,11 +111,16 @@ def test_oracle_equals_masked_reference_schedule_and_score_every(gqa):
             assert [len(e) for e in res.evicted_positions] == [sched.get(i, 0) for i in range(NEW)]
 
 
-def test_masked_reference_request_equals_oracle(gqa):
+@pytest.mark.parametrize("budget,kw", [(24, {}), (40, {}), (24, {"sink_tokens": 4, "recent_tokens": 3}),
+                                       (40, {"recent_tokens": 0, "slack": 5})])
+def test_masked_reference_request_equals_oracle(gqa, budget, kw):
+    """Request sets (one set: the mean over every layer and query head, vtoken/oracle.py "Token-set
+    conventions"): the oracle equals the masked reference, every token and every eviction."""
     prompt = _prompt()
-    cfg = _cfg("h2o", 24, "request")
+    cfg = _cfg("h2o", budget, "request", **kw)
     res = oracle_generate(gqa, prompt, NEW, cfg)
     ref = masked_generate(gqa, prompt, NEW, cfg)
+    assert res.num_evicted > 0
     assert res.token_ids == ref.token_ids
     np.testing.assert_array_equal(res.live_positions, ref.live_sets[0])
     for i in range(NEW):
