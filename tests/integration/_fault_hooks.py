@@ -43,10 +43,20 @@ class FaultInjection(RunHooks):
 
         orig_fold = WorkerDecisions.fold
 
+        def nan_map(m):
+            return {rid: tuple(None if a is None else (np.full_like(a, np.nan) if rid.startswith("nan") else a)
+                               for a in v) for rid, v in m.items()}
+
         def fold(self, scores):
-            if scores:
-                scores = {rid: tuple(None if a is None else (np.full_like(a, np.nan) if rid.startswith("nan") else a)
-                                     for a in v) for rid, v in scores.items()}
+            if isinstance(scores, dict):
+                scores = nan_map(scores)
+            elif scores is not None:  # the batched form (StepScores.batched): padded rows, and the rest as a map
+                for i, rid in enumerate(scores.rids):
+                    if rid is not None and rid.startswith("nan"):
+                        for t in (scores.acc, scores.per_head):
+                            if t is not None:
+                                t[i] = float("nan")
+                scores.rest = nan_map(scores.rest)
             return orig_fold(self, scores)
 
         WorkerDecisions._evict_rows = _evict_rows
