@@ -1,9 +1,9 @@
 """Harness hooks that inject faults confined to one request into the worker (loaded in the harness
 process, where the engine runs in-process, so the worker's classes are patched here).
 
-* requests whose id starts with ``boom``: the worker's eviction of their group raises
-  ``ValueError("injected policy fault")`` whenever they are in it (a policy bug): the batch is
-  retried one request at a time and only ``boom`` fails;
+* requests whose id starts with ``boom``: the worker's eviction (``DeviceDecider.evict``) raises
+  ``ValueError("injected policy fault")`` whenever they are in the batch (a policy bug): the
+  batch is retried one request at a time and only ``boom`` fails;
 * requests whose id starts with ``nan``: the attention statistics the worker folds for them are
   NaN (a numerical fault in the forward's statistics).
 
@@ -34,13 +34,26 @@ class FaultInjection(RunHooks):
 
         self.capture = _Capture()
         logging.getLogger("vllm.vtoken").addHandler(self.capture)
-        orig_evict_rows = WorkerDecisions._evict_rows
+        from vtoken.decider import DeviceDecider
 
-        def _evict_rows(self, g, rows, rids, evict):
-            if any(r.startswith("boom") for r in rids):
-                raise ValueError("injected policy fault")
-            return orig_evict_rows(self, g, rows, rids, evict)
+        live: list = []  # the engine's WorkerDecisions (in-process worker)
+        orig_begin = WorkerDecisions.begin
 
+        def begin(self, *a, **k):
+            if not live:
+                live.append(self)
+            return orig_begin(self, *a, **k)
+
+        orig_evict = DeviceDecider.evict
+
+        def evict(self, rows, *a, **k):  # a policy bug that shows whenever "boom" is in the batch
+            for rid, got in (live[0].where.items() if live else ()):
+                if rid.startswith("boom") and got[0].dec is self and int(got[1]) in rows.tolist():
+                    raise ValueError("injected policy fault")
+            return orig_evict(self, rows, *a, **k)
+
+        WorkerDecisions.begin = begin
+        DeviceDecider.evict = evict
         orig_fold = WorkerDecisions.fold
 
         def nan_map(m):
@@ -59,7 +72,6 @@ class FaultInjection(RunHooks):
                 scores.rest = nan_map(scores.rest)
             return orig_fold(self, scores)
 
-        WorkerDecisions._evict_rows = _evict_rows
         WorkerDecisions.fold = fold
 
     def finish(self, out) -> None:
