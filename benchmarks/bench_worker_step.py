@@ -801,7 +801,7 @@ def _document(args, rows, load_before, load_after, elapsed, malloc) -> dict[str,
         )
     return dict(
         bench="bench_worker_step",
-        command=" ".join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv),
+        command=" ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_worker_step.py"] + args.argv),
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         versions=dict(torch=torch.__version__, numpy=np.__version__, python=platform.python_version()),
         machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
@@ -921,6 +921,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="R = 8 32, 256 live tokens, 3 steps")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     a.requests = a.requests or ([8, 32] if a.quick else [8, 64, 256])
     a.live = a.live or (256 if a.quick else 2048)
     a.steps = a.steps or (3 if a.quick else 5)
