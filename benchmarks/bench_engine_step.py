@@ -22,7 +22,8 @@ wrappers (a few microseconds per call):
   every layer), ``scoring_result`` (``StepScores.result`` or ``.batched``: the deferred
   one-query rows and the packing), ``fold`` (``WorkerDecisions.fold``), ``naive`` (``WorkerDecisions.take_naive_freed``),
   ``physical`` (``_vt_physical_inputs``: physical ``seq_lens`` and slot mapping);
-* ``forward``   -- ``executor`` minus every vToken part above (the model and sampling, stock's work).
+* ``forward``   -- ``executor`` minus every vToken part above (the model and sampling, stock's work);
+* ``other``     -- ``step`` minus ``executor``, ``schedule`` and ``update`` (output processing).
 
 ``--baseline DIR`` adds an arm ``vtoken_base``: the vToken arm's config on the vToken code of
 another tree (e.g. ``git archive COMMIT | tar -x -C DIR``: the code before a change), its
@@ -54,7 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -70,7 +71,7 @@ VT_PARTS = ("begin_step", "begin", "kv_moves", "start_scoring", "physical", "sco
             "fold", "naive")
 #: the parts that sum to the executor's vToken time (no double counting)
 VT_DISJOINT = ("begin_step", "start_scoring", "physical", "scoring_layers", "scoring_result", "fold", "naive")
-PARTS = ("step", "schedule", "update", "executor", "forward", *VT_PARTS)
+PARTS = ("step", "schedule", "update", "executor", "other", "forward", *VT_PARTS)
 
 
 class StepHooks(RunHooks):
@@ -183,15 +184,20 @@ def _short(file: str) -> str:
 
 
 def make_spec(model_dir: str, dtype: str, vocab: tuple[int, int], vt: dict | None, *, batch: int, prompt_len: int,
-              output_len: int, block_size: int, hooks: str) -> dict:
+              output_len: int, block_size: int, hooks: str, arrive_every: int = 0, num_requests: int = 0,
+              executor: Optional[str] = None, prefix_caching: bool = False) -> dict:
     rng = random.Random(0)
+    n = num_requests or batch
     reqs = [dict(id=f"r{i}", prompt_token_ids=[rng.randrange(*vocab) for _ in range(prompt_len)],
-                 max_tokens=output_len, ignore_eos=True) for i in range(batch)]
-    blocks = batch * ((prompt_len + output_len) // block_size + 2) + 16  # room for everything: no preemption
+                 max_tokens=output_len, ignore_eos=True, arrive_at_step=i * arrive_every) for i in range(n)]
+    blocks = n * ((prompt_len + output_len) // block_size + 2) + 16  # room for everything: no preemption
     engine = dict(model=model_dir, dtype=dtype, max_model_len=prompt_len + output_len + block_size,
                   block_size=block_size, enforce_eager=True, gpu_memory_utilization=0.1,
                   kv_cache_memory_bytes=256 << 20, num_gpu_blocks_override=blocks, skip_tokenizer_init=True,
-                  max_num_seqs=max(batch, 8), max_num_batched_tokens=max(2048, prompt_len))
+                  max_num_seqs=max(n, 8), max_num_batched_tokens=max(2048, prompt_len))
+    engine["enable_prefix_caching"] = prefix_caching  # (vLLM's default on; the harness's off)
+    if executor:  # e.g. "mp": the worker in its own process, as the OpenAI server runs it (parts then unseen)
+        engine["distributed_executor_backend"] = executor
     return dict(engine=engine, vtoken=vt, requests=reqs, check=False, hooks=f"{Path(__file__).resolve()}:{hooks}")
 
 
@@ -211,8 +217,13 @@ def run_in_tree(spec: dict, root: str, env: dict, timeout: float) -> dict:
         return json.loads(op.read_text())
 
 
-def split(steps: list[dict], min_batch: int) -> dict[str, Any]:
-    rows = [s for s in steps if s.get("decode_only") and s.get("batch", 0) >= min_batch]
+def split(steps: list[dict], min_batch: int, window: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """Per-part medians and means over the decode-only steps of at least ``min_batch`` requests,
+    or (``window``) over every step ``window[0] <= i < window[1]`` (prefills included)."""
+    if window is not None:
+        rows = steps[window[0]:window[1]]
+    else:
+        rows = [s for s in steps if s.get("decode_only") and s.get("batch", 0) >= min_batch]
     n = len(rows)
     if not n:
         return dict(decode_steps=0)
@@ -220,6 +231,8 @@ def split(steps: list[dict], min_batch: int) -> dict[str, Any]:
     for p in PARTS:
         if p == "forward":
             vals = [s.get("executor", 0.0) - sum(s.get(q, 0.0) for q in VT_DISJOINT) for s in rows]
+        elif p == "other":
+            vals = [s["step"] - s.get("executor", 0.0) - s.get("schedule", 0.0) - s.get("update", 0.0) for s in rows]
         else:
             vals = [s.get(p, 0.0) for s in rows]
         med[p] = dict(median_ms=1000 * statistics.median(vals), mean_ms=1000 * statistics.fmean(vals))
@@ -238,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vtoken", default='{"policy": "h2o", "budget": 64}', help="the vToken arm's config (JSON)")
     ap.add_argument("--profile", action="store_true", help="one more cProfile'd run of each arm per repetition")
+    ap.add_argument("--arrive-every", type=int, default=0, metavar="K",
+                    help="a stream instead of one batch: request i arrives at step i*K (--requests of them), and "
+                         "every step from the output length's step to the last arrival counts (prefills included)")
+    ap.add_argument("--requests", type=int, default=0, help="requests in the stream (default --batch)")
+    ap.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix caching on (its default; off here "
+                                                                    "unless given, as in the harness)")
+    ap.add_argument("--executor", default=None, help="vLLM's distributed_executor_backend (mp: the worker in its own "
+                                                     "process, as the OpenAI server runs it; the worker's parts unseen)")
     ap.add_argument("--baseline", default=None, metavar="DIR",
                     help="another tree whose vtoken/ runs the vToken config as arm vtoken_base")
     ap.add_argument("--name", default="engine_step")
@@ -266,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = dict(bench="bench_engine_step", command="python " + " ".join(["benchmarks/bench_engine_step.py"] + argv),
                                machine=machine_info(), loadavg_before=list(os.getloadavg()),
                                config=dict(model=a.model, batch=a.batch, prompt_len=a.prompt_len,
+                                           arrive_every=a.arrive_every, requests=a.requests, executor=a.executor,
+                                           prefix_caching=a.prefix_caching,
                                            output_len=a.output_len, block_size=a.block_size, reps=a.reps,
                                            threads=a.threads, arms=arms, baseline=a.baseline,
                                            metric="per decode-only step (batch >= half of --batch), median over "
@@ -276,19 +299,23 @@ def main(argv: list[str] | None = None) -> int:
         order = list(arms) if rep % 2 == 0 else list(reversed(arms))
         for arm in order:
             spec = make_spec(mdir, dtype, vocab, arms[arm], batch=a.batch, prompt_len=a.prompt_len,
-                             output_len=a.output_len, block_size=a.block_size, hooks="StepHooks")
+                             output_len=a.output_len, block_size=a.block_size, hooks="StepHooks",
+                             arrive_every=a.arrive_every, num_requests=a.requests, executor=a.executor, prefix_caching=a.prefix_caching)
             la = os.getloadavg()[0]
             out = run_arm(spec, arm)
-            s = split(out["steps_timed"], a.batch // 2)
+            window = (a.output_len, a.arrive_every * ((a.requests or a.batch) - 1)) if a.arrive_every else None
+            s = split(out["steps_timed"], a.batch // 2, window)
             run = dict(rep=rep, arm=arm, load_average_1m=la, vtoken_package=out.get("vtoken_package"), **s)
             doc["runs"].append(run)
             p = s.get("parts", {})
-            print(f"rep {rep} {arm:>7}: {s['decode_steps']} decode steps, step {p.get('step', {}).get('median_ms', 0):.2f} ms "
+            print(f"rep {rep} {arm:>7}: {s['decode_steps']} steps, step {p.get('step', {}).get('median_ms', 0):.2f} ms "
+                  f"(mean {p.get('step', {}).get('mean_ms', 0):.2f}) "
                   f"(load {la:.2f}); " + ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in p.items() if v['median_ms'] > 0.005),
                   flush=True)
         for arm in (order if a.profile else ()):
             spec = make_spec(mdir, dtype, vocab, arms[arm], batch=a.batch, prompt_len=a.prompt_len,
-                             output_len=a.output_len, block_size=a.block_size, hooks="ProfileHooks")
+                             output_len=a.output_len, block_size=a.block_size, hooks="ProfileHooks",
+                             arrive_every=a.arrive_every, num_requests=a.requests, executor=a.executor, prefix_caching=a.prefix_caching)
             out = run_arm(spec, arm)
             doc["profiles"].append(dict(rep=rep, arm=arm, load_average_1m=os.getloadavg()[0], **out["profile"]))
             prof = out["profile"]
@@ -308,12 +335,22 @@ def main(argv: list[str] | None = None) -> int:
                 for v in doc["runs"] if v["rep"] == rep and v["arm"] == arm
                 for s in doc["runs"] if s["rep"] == rep and s["arm"] == "stock"]
 
+    def mean_ratios_of(arm: str) -> list[float]:
+        return [v["parts"]["step"]["mean_ms"] / s["parts"]["step"]["mean_ms"]
+                for rep in range(a.reps)
+                for v in doc["runs"] if v["rep"] == rep and v["arm"] == arm
+                for s in doc["runs"] if s["rep"] == rep and s["arm"] == "stock"]
+
     ratios = ratios_of("vtoken")
     doc["results"] = dict(median_ms=res, step_ratio_per_rep=ratios,
-                          step_ratio_median=statistics.median(ratios) if ratios else None)
+                          step_ratio_median=statistics.median(ratios) if ratios else None,
+                          mean_step_ms={arm: statistics.median(r["parts"]["step"]["mean_ms"] for r in doc["runs"]
+                                                              if r["arm"] == arm and r.get("decode_steps")) for arm in arms},
+                          mean_step_ratio_per_rep=mean_ratios_of("vtoken"))
     if a.baseline:
         rb = ratios_of("vtoken_base")
-        doc["results"].update(base_step_ratio_per_rep=rb, base_step_ratio_median=statistics.median(rb) if rb else None)
+        doc["results"].update(base_step_ratio_per_rep=rb, base_step_ratio_median=statistics.median(rb) if rb else None,
+                              base_mean_step_ratio_per_rep=mean_ratios_of("vtoken_base"))
     doc["loadavg_after"] = list(os.getloadavg())
     doc["total_wall_s"] = round(time.time() - t_start, 1)
     path = RESULTS / f"{a.name}.json"
@@ -321,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'part':>15} | " + " | ".join(f"{arm:>9}" for arm in arms) + "   (median ms per decode step)")
     for p in PARTS:
         print(f"{p:>15} | " + " | ".join(f"{res[arm][p]:9.3f}" for arm in arms))
-    print(f"vtoken / stock step: {ratios} (median {doc['results']['step_ratio_median']})")
+    print(f"vtoken / stock step: {ratios} (median {doc['results']['step_ratio_median']}); mean step "
+          f"{doc['results']['mean_step_ms']}, ratios {doc['results']['mean_step_ratio_per_rep']}")
     if a.baseline:
         print(f"vtoken_base / stock step: {doc['results']['base_step_ratio_per_rep']} "
               f"(median {doc['results']['base_step_ratio_median']})")

@@ -134,3 +134,16 @@ def test_set_means_batched_equals_row_by_row(gran):
         n = 37 - 3 * r
         want = set_means(gran, torch.stack([t[r, l, :, :n] for l in range(4)]))
         assert torch.equal(got[r, :, :n], want), (gran, r)
+
+
+def test_batched_scores_read_as_the_score_map():
+    """``BatchedScores`` reads as ``result()``'s ``ScoreMap`` (hooks and tests that rewrite a step's
+    statistics use it so), array for array."""
+    lens = [70, 33, 96, 64, 5, 40, 128, 17]
+    st = _scores(lens, True)
+    want, got = st.result(), st.batched()
+    assert bool(got) and len(got) == len(want) and set(got.keys()) == set(want) == set(got)
+    for rid, v in got.items():
+        assert len(v) == len(want[rid])
+        for a, b in zip(v, want[rid]):
+            assert (a is None and b is None) or np.array_equal(a, b), rid

@@ -50,6 +50,7 @@ import dataclasses
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -110,6 +111,31 @@ def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_
                 "of the %d bytes for the KV cache, %d hold K/V and %d the side cache", cfg.policy, gran, side, share,
                 kv_bytes_per_token, available, kv, available - kv)
     return kv
+
+
+class _Names(Sequence):
+    """The request ids ``keys[pos]`` (all of ``keys`` where ``pos`` is None), built only when
+    read (a fault, a log line, a test's hook), with their ``counts`` (int64, same order): a
+    step's rows of one group without a per-request Python list."""
+
+    __slots__ = ("keys", "pos", "counts")
+
+    def __init__(self, keys: list[str], pos: Optional[np.ndarray], counts: np.ndarray):
+        self.keys, self.pos, self.counts = keys, pos, counts
+
+    def __len__(self) -> int:
+        return len(self.keys) if self.pos is None else len(self.pos)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.list()[i]
+        return self.keys[i] if self.pos is None else self.keys[int(self.pos[i])]
+
+    def __iter__(self):
+        return iter(self.keys) if self.pos is None else (self.keys[i] for i in self.pos.tolist())
+
+    def list(self) -> list[str]:
+        return list(self.keys) if self.pos is None else [self.keys[i] for i in self.pos.tolist()]
 
 
 class _Group:
@@ -443,17 +469,18 @@ class WorkerDecisions:
         keys = list(evict)
         ks = np.fromiter(evict.values(), dtype=np.int64, count=len(keys))
         for g, pos, rows in self._split(self._codes(keys, len(keys))):
-            k = ks if pos is None else ks[pos]
+            names = _Names(keys, pos, ks if pos is None else ks[pos])
             try:
-                out.append(self._evict_rows(g, rows, k, keys, pos))
+                out.append(self._evict_rows(g, rows, names, evict))
             except Exception as e:  # noqa: BLE001 - confined below, per request
-                rids = self._pick(keys, pos)
+                rids = names.list()
                 if len(rows) == 1:
                     self._fault(rids[0], e)
                     continue
                 for i, rid in enumerate(rids):
                     try:
-                        out.append(self._evict_rows(g, rows[i:i + 1], k[i:i + 1], [rid], None))
+                        out.append(self._evict_rows(g, rows[i:i + 1], _Names([rid], None, names.counts[i:i + 1]),
+                                                    evict))
                     except Exception as e1:  # noqa: BLE001 - confined to this request
                         self._fault(rid, e1)
         return out
@@ -473,10 +500,12 @@ class WorkerDecisions:
         out, self.faults = self.faults, {}
         return out
 
-    def _evict_rows(self, g: "_Group", rows: np.ndarray, k: np.ndarray, keys: list[str], pos: Optional[np.ndarray]
+    def _evict_rows(self, g: "_Group", rows, rids: Sequence[str], evict: dict[str, int]
                     ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One group's eviction: request rows ``rows`` (int64), ``k`` tokens each; the requests
-        are ``keys`` at ``pos`` (None: all of them), named only where needed."""
+        """One group's eviction: request rows ``rows`` (int64 array or list) of requests ``rids``
+        (a :class:`_Names`, whose counts are theirs in ``evict``, or any sequence of ids)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        k = rids.counts if isinstance(rids, _Names) else np.array([evict[r] for r in rids], dtype=np.int64)
         dev = g.dec.live.device
         rows_t = torch.from_numpy(rows).to(dev)
         table = g.table(rows)
@@ -510,7 +539,7 @@ class WorkerDecisions:
             g.live_h[rows] = expect
         else:  # (cannot happen while the scheduler's counts are the worker's: one host read)
             g.live_h[rows] = ev.new_live.cpu().numpy()
-        self._naive.append((g, rows, self._codes(self._pick(keys, pos), len(rows)), self._pick(keys, pos)))
+        self._naive.append((g, rows, (g.gid << 32) | rows, rids.list() if isinstance(rids, _Names) else list(rids)))
         return g.granularity, ev.src, ev.dst, ev.sets
 
     def take_naive_freed(self, tp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,

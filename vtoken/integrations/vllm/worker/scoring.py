@@ -166,6 +166,29 @@ class BatchedScores:
     def __bool__(self) -> bool:
         return bool(self.rest) or any(r is not None for r in self.rids)
 
+    # the read-only mapping of a ``ScoreMap`` (tests and hooks that read or rewrite a step's
+    # statistics; ``WorkerDecisions.fold`` takes the tensors): the one-query rows made per request
+    def as_score_map(self) -> dict:
+        """The same statistics as ``StepScores.result``'s ``ScoreMap``."""
+        out = dict(self.legacy([i for i, r in enumerate(self.rids) if r is not None])) if self.legacy else {}
+        out.update(self.rest)
+        return out
+
+    def items(self):
+        return self.as_score_map().items()
+
+    def keys(self):
+        return self.as_score_map().keys()
+
+    def __iter__(self):
+        return iter(self.as_score_map())
+
+    def __getitem__(self, rid: str):
+        return self.as_score_map()[rid]
+
+    def __len__(self) -> int:
+        return len(self.rest) + sum(r is not None for r in self.rids)
+
 
 class StepScores:
     """Accumulates one step's attention statistics per request across layers.
