@@ -209,7 +209,9 @@ def run_in_tree(spec: dict, root: str, env: dict, timeout: float) -> dict:
         e = dict(os.environ)
         e.pop("PROMETHEUS_MULTIPROC_DIR", None)
         e.update(env)
-        e["PYTHONPATH"] = os.pathsep.join([root] + [x for x in e.get("PYTHONPATH", "").split(os.pathsep) if x])
+        from common import pythonpath_first
+
+        e["PYTHONPATH"] = pythonpath_first(root, e.get("PYTHONPATH"))
         p = subprocess.run([sys.executable, "-m", "drivers.harness", str(sp), str(op)], env=e, capture_output=True,
                            text=True, timeout=timeout, start_new_session=True, cwd=root)
         if p.returncode != 0 or not op.exists():

@@ -43,7 +43,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from common import RESULTS, machine_info  # noqa: E402
+from common import RESULTS, machine_info, pythonpath_first  # noqa: E402
 from drivers.launcher import free_port, start_server, vllm_cli  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def run_arm(a: argparse.Namespace, arm: str, vt: dict | None, model: str, rep: i
     log = logdir / f"server_{arm}_t{threads}_{rep}.log"
     env = dict(OMP_NUM_THREADS=str(threads), **(extra_env or {}))
     if tree:  # another tree's vtoken first (the server and its EngineCore inherit it)
-        env["PYTHONPATH"] = os.pathsep.join([tree] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
+        env["PYTHONPATH"] = pythonpath_first(tree, os.environ.get("PYTHONPATH"))
     srv = start_server(model, log, server_args(a), None if vt is None else {"vtoken": vt}, port=port,
                        env=env, cwd=Path(tree) if tree else ROOT)
     try:

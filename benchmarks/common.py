@@ -66,6 +66,12 @@ def run_metadata(**extra: Any) -> dict[str, Any]:
 
 
 
+def pythonpath_first(tree: str, pythonpath: Optional[str]) -> str:
+    """``PYTHONPATH`` with ``tree`` first (another checkout's ``vtoken`` shadows this one's in a
+    child process), then the non-empty entries of ``pythonpath``."""
+    return os.pathsep.join([tree] + [x for x in (pythonpath or "").split(os.pathsep) if x])
+
+
 def machine_info() -> dict[str, Any]:
     """The machine a result was measured on: platform, CPU count, Python/vLLM/torch versions, load."""
     import importlib.metadata as md

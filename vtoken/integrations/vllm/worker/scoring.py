@@ -9,6 +9,8 @@ backend's :class:`~vtoken.integrations.vllm.worker.kv_layout.KVLayout`. The stat
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -139,7 +141,7 @@ def set_means_batched(gran: str, t: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"vToken scoring: no batched set means for granularity {gran!r}")
 
 
-class BatchedScores:
+class BatchedScores(Mapping):
     """One step's statistics as :meth:`StepScores.batched` hands them to
     ``WorkerDecisions.fold``: the one-query rows (every decode row) as padded tensors, the rest
     (prefill rows over several queries, key norms) as a :data:`ScoreMap` (``StepScores.result``'s
@@ -156,6 +158,9 @@ class BatchedScores:
             heads (several token sets: :func:`set_means_batched`), or None where no row has sets.
         rest: req_id -> (col_sum, last_row[, key_norm]), float64 numpy (``StepScores.result``).
         legacy: ``positions -> ScoreMap``: the rows at those positions in ``result``'s format.
+
+    Read as a mapping it is that ``ScoreMap`` (req_id -> ``(col_sum, last_row[, key_norm])``,
+    float64 numpy), the one-query rows converted on the first read.
     """
 
     def __init__(self, rids: list, n: np.ndarray, need: np.ndarray, acc: Optional[torch.Tensor],
@@ -167,24 +172,18 @@ class BatchedScores:
         return bool(self.rest) or any(r is not None for r in self.rids)
 
     # the read-only mapping of a ``ScoreMap`` (tests and hooks that read or rewrite a step's
-    # statistics; ``WorkerDecisions.fold`` takes the tensors): the one-query rows made per request
-    def as_score_map(self) -> dict:
-        """The same statistics as ``StepScores.result``'s ``ScoreMap``."""
+    # statistics; ``WorkerDecisions.fold`` takes the tensors): built once, on the first read
+    @functools.cached_property
+    def _map(self) -> dict:
         out = dict(self.legacy([i for i, r in enumerate(self.rids) if r is not None])) if self.legacy else {}
         out.update(self.rest)
         return out
 
-    def items(self):
-        return self.as_score_map().items()
-
-    def keys(self):
-        return self.as_score_map().keys()
+    def __getitem__(self, rid: str):
+        return self._map[rid]
 
     def __iter__(self):
-        return iter(self.as_score_map())
-
-    def __getitem__(self, rid: str):
-        return self.as_score_map()[rid]
+        return iter(self._map)
 
     def __len__(self) -> int:
         return len(self.rest) + sum(r is not None for r in self.rids)
