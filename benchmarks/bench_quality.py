@@ -395,15 +395,16 @@ def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None =
             # those axes used); the prefill axis runs both of its arms at the policies' defaults
             cfg = None if conf is None else VTokenConfig(policy=pol, budget=b, pacing=pc, **(
                 dict(granularity="request") if g is None and pe is None else {} if g is None else dict(granularity=g)),
-                **({} if pe is None else dict(prefill_eviction=pe)), **plan_settings(p))
+                **({} if pe is None else dict(prefill_eviction=pe, prefill_eviction_every=p["prefill_chunk"])),
+                **plan_settings(p))
             sched = schedules[b][ci] if pc == "pressure" else None
             chunks = None
-            if pe is not None:  # vLLM's chunked prefill: full chunks, then the rest
+            if pe is not None:  # the eviction points: full chunks, then the rest (the oracle cuts there too)
                 C = p["prefill_chunk"]
                 chunks = [C] * (p["prompt_len"] // C) + ([p["prompt_len"] % C] if p["prompt_len"] % C else [])
             t0 = time.perf_counter()
             res = oracle_generate(TeacherForced(model, target[:-1]), prompt, p["K"], cfg, return_logits=True,
-                                  evict_schedule=sched, prefill_chunks=chunks)
+                                  evict_schedule=sched)
             lp = [torch.log_softmax(lg.double(), dim=-1) for lg in res.logits]
             nll = [-float(l[t]) for l, t in zip(lp, target)]
             am = [int(torch.argmax(lg)) for lg in res.logits]

@@ -161,11 +161,19 @@ class VTokenConfig(BaseModel):
     prefill_eviction: Optional[Literal["after", "chunks"]] = Field(
         None,
         description="when a long prompt is cut to the budget. after: at the first decode step, the whole prompt held "
-        "until then; chunks: between prefill chunks too (vLLM's chunked prefill, --max-num-batched-tokens sets the "
-        "chunk), so a request never holds more than about budget + chunk tokens, and a prompt longer than the KV "
-        "cache is served. Under pacing pressure a request evicts between chunks only when the pool is short, as in "
-        "decode. null: chunks (measured: within 0.03 nats/token of after; docs/device-decisions.md, "
+        "until then; chunks: also during the prefill, at the prompt's eviction points (every prefill_eviction_every "
+        "tokens; vLLM's chunked prefill never schedules a chunk across one), so a request never holds more than "
+        "budget + slack + prefill_eviction_every + 1 tokens, and a prompt longer than the KV cache is served. Under "
+        "pacing pressure a request evicts at a point only when the pool is short, as in decode. null: chunks (measured: within 0.03 nats/token of after; docs/device-decisions.md, "
         "\"Eviction between prefill chunks\")",
+    )
+    prefill_eviction_every: int = Field(
+        2048, ge=1, strict=True,
+        description="with prefill_eviction chunks: the prompt's eviction points, in tokens. A request evicts "
+        "during its prefill only at logical positions that are multiples of this, and vLLM's chunked prefill never "
+        "schedules a chunk across one (a longer chunk is cut there). The points depend on the request alone, never "
+        "on --max-num-batched-tokens or on the other requests, so the same greedy request gives the same tokens at "
+        "any load. Smaller: less KV cache held during a long prefill, more (smaller) prefill steps",
     )
     protect_cached_prefix: bool = Field(
         False,
@@ -205,7 +213,7 @@ class VTokenConfig(BaseModel):
         return data
 
     @field_validator("budget", "budget_ratio", "slack", "sink_tokens", "recent_tokens", "seed", "score_every",
-                     "watermark_blocks", "watermark_fraction", mode="before")
+                     "prefill_eviction_every", "watermark_blocks", "watermark_fraction", mode="before")
     @classmethod
     def _no_bool(cls, v: Any) -> Any:
         # JSON true/false would otherwise pass as 1/0 (pydantic's lax int/float).

@@ -108,7 +108,7 @@ from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, 
 if TYPE_CHECKING:  # pragma: no cover
     from vtoken.policies.base import SlotState
 
-__all__ = ["OracleResult", "oracle_generate", "load_oracle_model", "attention_stats", "attention_stats_sets",
+__all__ = ["OracleResult", "oracle_generate", "prefill_points", "load_oracle_model", "attention_stats", "attention_stats_sets",
            "key_norm_sets",
            "key_sim_sets", "expected_attention_sets", "QueryMoments",
            "GRANULARITIES", "set_index_map"]
@@ -520,6 +520,15 @@ def _cache_len(cache) -> int:
     return lens.pop()
 
 
+def prefill_points(prompt_len: int, cfg: Optional[VTokenConfig]) -> list[int]:
+    """The prompt's prefill chunks (token counts, summing to ``prompt_len``): cut at the multiples
+    of ``cfg.prefill_eviction_every`` under ``prefill_eviction: chunks``, else one chunk."""
+    if cfg is None or cfg.resolved_prefill_eviction() != "chunks":
+        return [prompt_len]
+    every = cfg.prefill_eviction_every
+    return [min(every, prompt_len - s) for s in range(0, prompt_len, every)]
+
+
 def oracle_generate(
     model,
     prompt_ids: Sequence[int],
@@ -532,7 +541,6 @@ def oracle_generate(
     policy: Optional[EvictionPolicy] = None,
     protected_prefix: int = 0,
     evict_schedule: Optional[dict[int, int]] = None,
-    prefill_chunks: Optional[Sequence[int]] = None,
     prefill_evict_schedule: Optional[dict[int, int]] = None,
 ) -> OracleResult:
     """Greedy generation with token-level KV eviction on a dense, logical-order cache.
@@ -562,19 +570,20 @@ def oracle_generate(
             ``budget + slack`` rule (pressure pacing decides amounts from pool state; the
             engine records them, ``RequestState.evict_log``, and the oracle replays them;
             the victims are still the policy's choice).
-        prefill_chunks: token counts of the prompt's prefill chunks (positive, summing to
-            the prompt length; default: one chunk), as vLLM's chunked prefill scheduled them.
-            Each chunk attends over the live tokens of the chunks before it and itself
-            (causal), and is scored in full, its last query row included (as the worker
-            scores every chunk). With ``cfg.resolved_prefill_eviction() == "chunks"``, before each chunk but
-            the first the request evicts ``num_to_evict(live, budget, slack)`` tokens, as a
-            decode step would (issue "bounded prefill"); their positions are in
-            ``OracleResult.prefill_evicted_positions``.
-        prefill_evict_schedule: with prefill eviction ``"chunks"``, chunk index ``c``
-            (``1 <= c < len(prefill_chunks)``) -> tokens to ask the policy to evict before chunk
-            ``c``, replacing the ``budget + slack`` rule there, as ``evict_schedule`` replaces it in
-            decode (pressure pacing evicts between chunks only when the pool is short; the engine
-            logs ``RequestState.prefill_evict_log``). A boundary not in it evicts nothing.
+        prefill_evict_schedule: with prefill eviction ``"chunks"``, eviction point ``c``
+            (``1 <= c < len(chunks)``, at logical position ``c * cfg.prefill_eviction_every``) ->
+            tokens to ask the policy to evict there, replacing the ``budget + slack`` rule, as
+            ``evict_schedule`` replaces it in decode (pressure pacing evicts at a point only when
+            the pool is short; the engine logs ``RequestState.prefill_evict_log``). A point not in
+            it evicts nothing.
+
+    The prompt's prefill: with ``cfg.resolved_prefill_eviction() == "chunks"`` it is cut at its
+    eviction points, the logical positions that are multiples of ``cfg.prefill_eviction_every``
+    (the engine never schedules a chunk across one, whatever its load); otherwise it is one
+    chunk. Each chunk attends over the live tokens of the chunks before it and itself (causal)
+    and is scored in full, its last query row included. With ``"chunks"``, at each point the
+    request evicts ``num_to_evict(live, budget, slack)`` tokens, as a decode step would; their
+    positions are in ``OracleResult.prefill_evicted_positions``.
 
     Returns:
         :class:`OracleResult`.
@@ -582,9 +591,8 @@ def oracle_generate(
     Raises:
         ValueError: empty prompt, ``max_new_tokens < 1``, a non-eager model, a
             sliding-window cache layer, ``policy`` without ``cfg``,
-            ``protected_prefix < 0``, ``prefill_chunks`` that are not positive or do not sum
-            to the prompt length, or a ``prefill_evict_schedule`` key outside
-            ``1 .. len(prefill_chunks) - 1``.
+            ``protected_prefix < 0``, or a ``prefill_evict_schedule`` key that is not an
+            eviction point inside the prompt.
         RuntimeError: the policy returned invalid victims (out of range, duplicates), or
             the token sets evicted different counts.
     """
@@ -599,13 +607,10 @@ def oracle_generate(
         raise ValueError(f"oracle_generate: protected_prefix = {protected_prefix}; allowed: >= 0")
     if policy is not None and cfg is None:
         raise ValueError("oracle_generate: policy given without cfg (budget and slack come from cfg)")
-    chunks = [P] if prefill_chunks is None else [int(c) for c in prefill_chunks]
-    if not chunks or min(chunks) < 1 or sum(chunks) != P:
-        raise ValueError(f"oracle_generate: prefill_chunks = {list(prefill_chunks or ())}; allowed: positive token "
-                         f"counts summing to the prompt length {P}")
+    chunks = prefill_points(P, cfg)
     if prefill_evict_schedule is not None and any(not 1 <= int(c) < len(chunks) for c in prefill_evict_schedule):
         raise ValueError(f"oracle_generate: prefill_evict_schedule keys {sorted(prefill_evict_schedule)}; allowed: "
-                         f"chunk indices 1 .. {len(chunks) - 1} (the boundaries between the {len(chunks)} chunks)")
+                         f"eviction points 1 .. {len(chunks) - 1} (the prompt of {P} tokens has {len(chunks)} chunks)")
     if eos_token_id is None:
         eos_set: set[int] = set()
     elif isinstance(eos_token_id, int):

@@ -61,7 +61,7 @@ def test_vllm_serve_help():
 @pytest.mark.parametrize("vt, want", [
     ({"budget": -1}, "vtoken: error: vtoken.budget = -1: Input should be greater than or equal to 1"),
     ({"bugdet": 64}, "vtoken: error: vtoken.bugdet = 64: unknown key; allowed: ['budget', 'budget_ratio', "
-                     "'granularity', 'mode', 'pacing', 'policy', 'policy_args', 'prefill_eviction', 'prefix_hits', 'protect_cached_prefix', 'recent_tokens', 'score_every', "
+                     "'granularity', 'mode', 'pacing', 'policy', 'policy_args', 'prefill_eviction', 'prefill_eviction_every', 'prefix_hits', 'protect_cached_prefix', 'recent_tokens', 'score_every', "
                      "'seed', 'sink_tokens', 'slack', 'watermark_blocks', 'watermark_fraction']"),
 ])
 def test_vllm_serve_bad_config_one_line(tiny_model, vt, want):

@@ -67,19 +67,19 @@ def path(request) -> str:
 _oracle_cache: dict = {}
 
 
-def _oracle_tokens(tiny: str, prompt: list[int], new_tokens: int, cfg, prefill_chunks: tuple = ()) -> list[int]:
-    """Greedy tokens of the dense oracle (cached across paths; ``prefill_chunks``: the chunking
-    the engine logged, when the prompt was cut between chunks)."""
+def _oracle_tokens(tiny: str, prompt: list[int], new_tokens: int, cfg) -> list[int]:
+    """Greedy tokens of the dense oracle (cached across paths; it cuts the prompt at the
+    request's own eviction points, never at the chunks the engine happened to schedule)."""
     import torch
 
     from vtoken.oracle import load_oracle_model, oracle_generate
 
-    key = (tuple(prompt), new_tokens, cfg.model_dump_json(), tuple(prefill_chunks))
+    key = (tuple(prompt), new_tokens, cfg.model_dump_json())
     if key not in _oracle_cache:
         if "model" not in _oracle_cache:
             torch.set_num_threads(2)
             _oracle_cache["model"] = load_oracle_model(tiny)
-        ref = oracle_generate(_oracle_cache["model"], prompt, new_tokens, cfg, prefill_chunks=prefill_chunks or None)
+        ref = oracle_generate(_oracle_cache["model"], prompt, new_tokens, cfg)
         _oracle_cache[key] = list(ref.token_ids)
     return _oracle_cache[key]
 
@@ -205,13 +205,11 @@ def test_aborts_and_preemption_lose_no_block(tiny, path):
         assert out["finish"][r["id"]] == "length" and len(out["tokens"][r["id"]]) == 80
     assert out["vtoken"]["stats"]["preemption_resets"] > 0
     # preempted requests resume with their saved K/V (docs/integration.md, "Preemption"): every
-    # policy's tokens equal the oracle's for the request alone (the prompts were cut between the
-    # prefill chunks the engine logged)
+    # policy's tokens equal the oracle's for the request alone
     base = parse_config({"policy": "h2o", "budget": 40})
     fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
     for r in reqs[1:5]:
-        ref = _oracle_tokens(tiny, r["prompt_token_ids"], 80, parse_request_overrides(r["extra_args"]).apply(base),
-                             tuple(fin[r["id"]]["prefill_chunks"]))
+        ref = _oracle_tokens(tiny, r["prompt_token_ids"], 80, parse_request_overrides(r["extra_args"]).apply(base))
         assert out["tokens"][r["id"]] == ref, r["id"]
 
 

@@ -83,7 +83,7 @@ def test_short_pool_pressure_evicts_instead_of_preempting(tiny, path):
         evicting += bool(schedule)
         assert f["num_live"] >= 40  # never below the floor
         ref = oracle_generate(model, r["prompt_token_ids"], NEW, parse_request_overrides(r["extra_args"]).apply(base),
-                              evict_schedule=schedule, prefill_chunks=f["prefill_chunks"],
+                              evict_schedule=schedule,
                               prefill_evict_schedule={int(c): int(k) for c, k in f["prefill_evict_log"]})
         assert out["tokens"][r["id"]] == list(ref.token_ids), r["id"]
         assert ref.num_evicted == f["evicted"], r["id"]

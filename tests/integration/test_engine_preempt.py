@@ -113,7 +113,7 @@ def test_tokens_equal_the_oracle_without_the_preemption(run, tiny):
         f = _finished(out, r["id"])
         cfg = parse_request_overrides(r.get("extra_args")).apply(base)
         # (prefill eviction between chunks: the oracle replays the chunking the engine logged)
-        ref = oracle_generate(model, r["prompt_token_ids"], r["max_tokens"], cfg, prefill_chunks=f["prefill_chunks"])
+        ref = oracle_generate(model, r["prompt_token_ids"], r["max_tokens"], cfg)
         assert out["tokens"][r["id"]] == list(ref.token_ids), r["id"]
         before_chunks = sum(len(e) for e in ref.prefill_evicted_positions or ())
         assert ref.num_evicted + before_chunks == f["evicted"], r["id"]

@@ -57,8 +57,10 @@ class SnapKVPolicy(EvictionPolicy):
 
     Statistic: ``AttentionNeed.WINDOW``: the column sums of the step's last ``window`` query
     rows (``col_sum``, averaged over the set's heads and layers); at the end of the prompt that
-    is the observation window. Non-final prefill chunks (``last_row`` None) are ignored: the
-    window is the prompt's last queries (of its last chunk, when the chunk is shorter).
+    is the observation window. A step without a last row (``last_row`` None: vLLM cut the window
+    before an eviction point into several chunks) holds its column sums until the step that ends
+    the window, which pools them with its own, so the window is the ``window`` rows before each
+    point whatever the chunks.
 
     Score: the accumulated pooled statistic (:func:`pool_logical`: average pooling, in logical
     order over the live tokens).
@@ -78,7 +80,8 @@ class SnapKVPolicy(EvictionPolicy):
     * Average pooling only (the paper offers max and average; its code defaults to average).
     * The decode rule above (the paper keeps every generated token uncompressed).
     * With ``prefill_eviction: chunks`` (the default) the prompt is
-      cut between prefill chunks, each chunk's last ``window`` queries scoring it (the paper
+      cut at its eviction points (``prefill_eviction_every``), the ``window`` queries before each
+      point scoring it (the paper
       compresses the whole prompt once, from its last queries); with ``after`` the window is the
       prompt's last queries, as in the paper.
     * With ``granularity`` other than ``head`` a set scores the mean over its heads.
@@ -124,16 +127,25 @@ class SnapKVPolicy(EvictionPolicy):
         return prompt_len - hit < self.window
 
     def state_specs(self):
-        return {"score": ((), np.dtype(np.float64))}
+        # score: the pooled windows so far; pend: the column sums of a window's rows computed in
+        # an earlier step than its last row (vLLM cut the window into several chunks), pooled
+        # with the step that ends it, as if the window were one step (pooling is not additive
+        # over steps: its edges depend on the live tokens)
+        return {"score": ((), np.dtype(np.float64)), "pend": ((), np.dtype(np.float64))}
 
     def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.col_sum is None or stats.last_row is None or num_live <= 0:
-            return  # a non-final prefill chunk: not the observation window
+        if stats.col_sum is None or num_live <= 0:
+            return
         col = np.asarray(stats.col_sum, dtype=np.float64)
         if col.shape != (num_live,):
             raise ValueError(f"snapkv: col_sum has shape {col.shape}; expected ({num_live},)")
         state.ensure_capacity(num_live)
-        pooled = pool_logical(torch.from_numpy(np.nan_to_num(col))[None], torch.from_numpy(
+        if stats.last_row is None:  # a window's rows before its last: kept until that one
+            state["pend"][:num_live] += np.nan_to_num(col)
+            return
+        col = np.nan_to_num(col) + state["pend"][:num_live]
+        state["pend"][:num_live] = 0.0
+        pooled = pool_logical(torch.from_numpy(col)[None], torch.from_numpy(
             np.array(view.logical_pos[:num_live], dtype=np.int64))[None], torch.tensor([num_live]), self.kernel)
         state["score"][:num_live] += pooled[0].numpy()
 
@@ -141,10 +153,17 @@ class SnapKVPolicy(EvictionPolicy):
         return state["score"][: view.num_live]
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row, **_) -> None:
-        if col_sum is None or last_row is None:
+        if col_sum is None:
             return
-        pooled = pool_logical(torch.nan_to_num(col_sum.to(torch.float64)), fields["pos"], live, self.kernel)
-        fields["score"].add_(torch.where(live[:, None] > 0, pooled, 0.0))
+        on = live[:, None] > 0
+        col = torch.where(on, torch.nan_to_num(col_sum.to(torch.float64)), 0.0)
+        pend = fields["pend"]
+        if last_row is None:  # a window's rows before its last (observe)
+            pend.add_(col)
+            return
+        pooled = pool_logical(col + pend, fields["pos"], live, self.kernel)
+        fields["score"].add_(torch.where(on, pooled, 0.0))
+        pend.zero_()
 
     def score_batched(self, fields: BatchedFields, logical_pos, live) -> torch.Tensor:
         return fields["score"]

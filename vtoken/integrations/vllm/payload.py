@@ -85,6 +85,10 @@ class StepPayload:
             (docs/integration.md, "Prefix caching"). The worker copies each old block into the
             new one before any move and puts the new id at that index of the request's row; the
             old block keeps its hash and contents (other requests still hit it).
+        windows: req_id -> query rows of this prefill step that make its ``AttentionNeed.WINDOW``
+            statistic (SnapKV): the step's last rows that lie in the observation window before the
+            request's next prefill eviction point (``prefill_eviction_every``) or its prompt's end,
+            so the window does not depend on where vLLM cut the chunk. Absent: the policy's window.
     """
 
     truncate: dict[str, int] = field(default_factory=dict)
@@ -95,6 +99,7 @@ class StepPayload:
     evict: dict[str, int] = field(default_factory=dict)
     unshare: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     suspend: list[str] = field(default_factory=list)
+    windows: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.truncate or self.offsets or self.scores or self.states or self.evict or self.unshare

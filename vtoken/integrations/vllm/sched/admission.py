@@ -1,7 +1,8 @@
 """Prompts longer than the KV pool (issue 25, item 2; ``prefill_eviction: chunks``).
 
-With ``prefill_eviction: chunks`` a request never holds more than ``budget + slack + chunk + 1``
-tokens (:func:`request_bound`; the chunk is ``max_num_batched_tokens``), whatever its prompt. Two
+With ``prefill_eviction: chunks`` a request never holds more than ``budget + slack +
+prefill_eviction_every + 1`` tokens (:func:`request_bound`: it evicts at its eviction points,
+and vLLM's chunks never cross one), whatever its prompt. Two
 of vLLM's checks assume a request holds its whole sequence, and vToken bounds both by that:
 
 * **At start-up** ``vllm.v1.core.kv_cache_utils._check_enough_kv_cache_memory`` refuses an engine
@@ -37,10 +38,11 @@ logger = logging.getLogger("vllm.vtoken")
 _VLLM_CONFIG: contextvars.ContextVar = contextvars.ContextVar("vtoken_kv_cache_vllm_config", default=None)
 
 
-def request_bound(cfg: VTokenConfig, prompt_len: int, chunk: int) -> int:
+def request_bound(cfg: VTokenConfig, prompt_len: int) -> int:
     """Tokens a request with ``prefill_eviction: chunks`` may hold at most: its budget, the slack,
-    one prefill chunk of ``chunk`` tokens and the token sampled last."""
-    return effective_budget(cfg, prompt_len) + cfg.resolved_slack() + int(chunk) + 1
+    the prompt tokens between two eviction points (``prefill_eviction_every``: it evicts only at
+    the points, whatever chunks vLLM schedules between them) and the token sampled last."""
+    return effective_budget(cfg, prompt_len) + cfg.resolved_slack() + cfg.prefill_eviction_every + 1
 
 
 def engine_bound(vllm_config: Any) -> Optional[int]:
@@ -54,7 +56,7 @@ def engine_bound(vllm_config: Any) -> Optional[int]:
     cfg = VTokenConfig.model_validate(raw)
     if cfg.mode != "vtoken" or cfg.resolved_prefill_eviction() != "chunks" or cfg.budget_ratio is not None:
         return None
-    return request_bound(cfg, 0, vllm_config.scheduler_config.max_num_batched_tokens)
+    return request_bound(cfg, 0)
 
 
 def install() -> None:
@@ -94,12 +96,12 @@ def install() -> None:
             if fits < bound:
                 raise ValueError(
                     f"vToken: the KV cache holds {fits} tokens, below one request's bound of {bound} tokens "
-                    f"(prefill_eviction chunks: vtoken.budget + slack + --max-num-batched-tokens + 1); raise the KV "
+                    f"(prefill_eviction chunks: vtoken.budget + slack + vtoken.prefill_eviction_every + 1); raise the KV "
                     "cache (--kv-cache-memory-bytes, --num-gpu-blocks-override, --gpu-memory-utilization) or lower "
-                    f"vtoken.budget or --max-num-batched-tokens (stock vLLM would need --max-model-len = "
+                    f"vtoken.budget or vtoken.prefill_eviction_every (stock vLLM would need --max-model-len = "
                     f"{max_model_len} tokens). vLLM's check: {e}") from None
             logger.info("vToken: max_model_len = %d does not fit the KV cache (%d tokens), but with "
-                        "prefill_eviction: chunks a request holds at most budget + slack + max_num_batched_tokens + 1 "
+                        "prefill_eviction: chunks a request holds at most budget + slack + prefill_eviction_every + 1 "
                         "= %d tokens, which fits: prompts longer than the KV cache are admitted", max_model_len,
                         fits, bound)
 

@@ -45,11 +45,11 @@ __all__ = ["COLUMNS", "COLUMN_FIELDS", "FLAG_FIELDS", "ColumnCountTable", "Count
 COLUMNS = ("live", "logical", "budget", "slack", "floor", "recent", "score_need", "score_every", "decode_steps",
            "steps", "held_block_steps", "peak_blocks", "full_block_steps", "full_peak_blocks", "evicted",
            "clean_len", "min_dst_slot", "flags", "run_start", "run_k", "run_len", "run_last", "held", "naive_blocks",
-           "naive_freed", "naive_block_steps", "naive_peak_blocks", "threshold", "cap_over", "ask_every")
+           "naive_freed", "naive_block_steps", "naive_peak_blocks", "threshold", "cap_over", "ask_every", "point_every")
 (LIVE, LOGICAL, BUDGET, SLACK, FLOOR, RECENT, SCORE_NEED, SCORE_EVERY, DECODE_STEPS, STEPS, HELD_BLOCK_STEPS,
  PEAK_BLOCKS, FULL_BLOCK_STEPS, FULL_PEAK_BLOCKS, EVICTED, CLEAN_LEN, MIN_DST_SLOT, FLAGS, RUN_START, RUN_K,
  RUN_LEN, RUN_LAST, HELD, NAIVE_BLOCKS, NAIVE_FREED, NAIVE_BLOCK_STEPS, NAIVE_PEAK_BLOCKS, THRESHOLD, CAP_OVER,
- ASK_EVERY) = range(len(COLUMNS))
+ ASK_EVERY, POINT_EVERY) = range(len(COLUMNS))
 #: ``RequestState`` bool fields kept as bits of the ``flags`` column
 FLAG_FIELDS = {"decoding": 1, "may_evict": 2, "faulted": 4, "chunk_evict": 8}
 DECODING, MAY_EVICT, FAULTED, CHUNK_EVICT = 1, 2, 4, 8
@@ -57,11 +57,19 @@ DECODING, MAY_EVICT, FAULTED, CHUNK_EVICT = 1, 2, 4, 8
 NEVER = 1 << 62
 
 
-def threshold(budget, slack, flags):
+def at_point(flags, logical, every):
+    """Whether a request may evict now: it decodes, or (``prefill_eviction: chunks``) its prefill
+    stands at one of its eviction points, a logical position that is a positive multiple of
+    ``every`` (``prefill_eviction_every``; ints or arrays)."""
+    return ((flags & DECODING) != 0) | (((flags & CHUNK_EVICT) != 0) & (every > 0) & (logical > 0)
+                                        & (logical % np.maximum(every, 1) == 0))
+
+
+def threshold(budget, slack, flags, logical=0, every=0):
     """Fixed pacing evicts from a request whose live count exceeds this: ``budget + slack`` once
-    it decodes (or, with ``prefill_eviction: chunks``, between its prefill chunks) and may evict
-    and has no fault, else :data:`NEVER` (ints or arrays)."""
-    return np.where(((flags & (DECODING | CHUNK_EVICT)) != 0) & ((flags & (MAY_EVICT | FAULTED)) == MAY_EVICT),
+    it decodes (or, with ``prefill_eviction: chunks``, at one of its prefill eviction points,
+    :func:`at_point`) and may evict and has no fault, else :data:`NEVER` (ints or arrays)."""
+    return np.where(at_point(flags, logical, every) & ((flags & (MAY_EVICT | FAULTED)) == MAY_EVICT),
                     budget + slack, NEVER)
 
 
@@ -79,12 +87,12 @@ def derived(row: np.ndarray) -> tuple[int, int, int]:
     """
     flags = int(row[FLAGS])
     ask = row[SCORE_NEED] != 0 and (flags & (MAY_EVICT | FAULTED)) == MAY_EVICT
-    return (int(threshold(row[BUDGET], row[SLACK], flags)), int(row[FLOOR] + row[RECENT] - row[BUDGET]),
+    return (int(threshold(row[BUDGET], row[SLACK], flags, row[LOGICAL], row[POINT_EVERY])), int(row[FLOOR] + row[RECENT] - row[BUDGET]),
             max(int(row[SCORE_EVERY]), 1) if ask else 0)
 #: ``RequestState`` fields a :class:`CountState` keeps in its row (``clean_len``: -1 is None)
 COLUMN_FIELDS = ("budget", "slack", "floor", "recent", "score_need", "score_every", "decode_steps", "steps",
                  "held_block_steps", "peak_blocks", "full_block_steps", "full_peak_blocks", "evicted", "clean_len",
-                 "min_dst_slot", "naive_block_steps", "naive_peak_blocks") + tuple(FLAG_FIELDS)
+                 "min_dst_slot", "naive_block_steps", "naive_peak_blocks", "point_every") + tuple(FLAG_FIELDS)
 
 
 class CountColumns:

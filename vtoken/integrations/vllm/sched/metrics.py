@@ -127,7 +127,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
 HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
     "vtoken:request_peak_blocks": (
         "peak_blocks", "Per finished request: the most KV-cache blocks it held after any schedule() (prefill chunks "
-        "included; with prefill_eviction chunks about ceil((budget + chunk + 1) / block_size)).",
+        "included; with prefill_eviction chunks at most ceil((budget + slack + prefill_eviction_every + 1) / "
+        "block_size)).",
         (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)),
 }
 

@@ -56,7 +56,7 @@ from vtoken.integrations.vllm.sched.counts import CountColumns, CountState
 from vtoken.integrations.vllm.sched.metrics import VTokenMetrics
 from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.sched.state import RequestState, VTokenStats, cdiv
-from vtoken.policies.base import EvictionPolicy
+from vtoken.policies.base import AttentionNeed, EvictionPolicy
 from vtoken.policies import get_policy_class
 from vtoken.pacing import Candidate, plan_pressure_evictions
 from vtoken.protocol import evictable
@@ -112,6 +112,9 @@ class VTokenSchedulerMixin:
         #: moves may still read them, so a copy of a cached block never goes to one)
         self._vt_released_now: list = []
         self._vt_req_cfg: dict[str, Optional[VTokenConfig]] = {}
+        #: prefill_eviction chunks, a request that may evict: req_id -> prefill_eviction_every
+        #: (its eviction points; vLLM's chunks are cut there: _reserve_prefill_lookahead)
+        self._vt_points: dict[str, int] = {}
         self._vt_offset_updates: dict[str, int] = {}
         #: states made in this schedule() (announced to the worker on the payload)
         self._vt_new_states: dict[str, RequestState] = {}
@@ -170,11 +173,11 @@ class VTokenSchedulerMixin:
             # still hashes and caches its blocks for others (only the lookup is skipped).
             request.skip_reading_prefix_cache = True
             self.vt_stats.prefix_reads_skipped += 1
-        if (cfg is not None and cfg.mode == "vtoken" and cfg.resolved_prefill_eviction() == "chunks"
-                and self._vt_may_evict(cfg, request)):
-            # (Naive-Evict frees a block only once every token in it is dead: no bound; stock admission)
-            self._vt_accounting.admission_cap[request.request_id] = request_bound(
-                cfg, request.num_prompt_tokens, self.scheduler_config.max_num_batched_tokens)
+        if cfg is not None and cfg.resolved_prefill_eviction() == "chunks" and self._vt_may_evict(cfg, request):
+            self._vt_points[request.request_id] = cfg.prefill_eviction_every
+            if cfg.mode == "vtoken":
+                # (Naive-Evict frees a block only once every token in it is dead: no bound; stock admission)
+                self._vt_accounting.admission_cap[request.request_id] = request_bound(cfg, request.num_prompt_tokens)
         super().add_request(request)
 
     @staticmethod
@@ -228,6 +231,7 @@ class VTokenSchedulerMixin:
                         cols=self._vt_cols, block_size=self._vt_bs)
         st.may_evict = self._vt_may_evict(cfg, request)
         st.chunk_evict = cfg.resolved_prefill_eviction() == "chunks"
+        st.point_every = cfg.prefill_eviction_every if st.chunk_evict else 0
         st.score_need = pol.needs.value
         st.score_every = cfg.score_every
         st.recent = pol.recent_tokens
@@ -358,7 +362,8 @@ class VTokenSchedulerMixin:
             for order, req in enumerate(self.running):
                 st = states.get(req.request_id)
                 # decoding, or (prefill_eviction: chunks) between two chunks of its prompt
-                if st is not None and (st.decoding or st.chunk_evict) and st.may_evict and not st.faulted and not (
+                if st is not None and (st.decoding or (st.chunk_evict and st.table.num_logical % st.point_every == 0
+                                                       and st.table.num_logical > 0)) and st.may_evict and not st.faulted and not (
                         is_async and self._vt_done_in_flight(req)):
                     eligible.append((order, req, st))
             plan = self._vt_pressure_plan(eligible)
@@ -495,12 +500,17 @@ class VTokenSchedulerMixin:
             # every token has KV once this step ran: the step samples, the prefill is done
             requests = self.requests
             states = self._vt_states
+            scores = payload.scores
             for i in np.flatnonzero(decoding == 0).tolist():
-                req = requests[keys[i]]
-                states[keys[i]].chunk_log.append(int(n[i]))
+                rid = keys[i]
+                req = requests[rid]
+                st = states[rid]
+                st.chunk_log.append(int(n[i]))
+                if rid in scores:
+                    self._vt_prefill_scores(rid, st, req, int(n[i]), payload)
                 if req.num_computed_tokens >= req.num_tokens:
                     flags[i] |= C.DECODING
-            m[C.THRESHOLD] = C.threshold(m[C.BUDGET], m[C.SLACK], flags)
+            m[C.THRESHOLD] = C.threshold(m[C.BUDGET], m[C.SLACK], flags, logical, m[C.POINT_EVERY])
         held = np.fromiter(map(len, map(self._vt_mgr.req_to_blocks.get, keys, repeat(()))), dtype=np.int64,
                            count=len(keys))
         m[C.HELD] = held
@@ -520,6 +530,51 @@ class VTokenSchedulerMixin:
         np.maximum(m[C.NAIVE_PEAK_BLOCKS], naive_b, out=m[C.NAIVE_PEAK_BLOCKS])
         if sl is None:
             data[:, rows] = m
+
+    @staticmethod
+    def _vt_prefill_scores(rid: str, st: RequestState, req, n: int, payload: StepPayload) -> None:
+        """The statistics a prefill step of rows ``[end - n, end)`` (logical) asks for, so that they
+        follow the request's eviction points, never the chunks vLLM scheduled (a chunk never
+        crosses a point: ``_reserve_prefill_lookahead``). The next point ``P`` is the next multiple
+        of ``point_every`` at or after ``end``, or the end of the prompt:
+
+        * the last query row (``AttentionNeed.LAST_ROW``: TOVA, Scissorhands' history row) only
+          from a step that ends at ``P``, as when the prompt is cut at the points only;
+        * an observation window (``AttentionNeed.WINDOW``, SnapKV): the step's rows that lie in the
+          ``window`` rows before ``P`` (``payload.windows[rid]``).
+
+        A step left with nothing to compute asks for nothing."""
+        end = req.num_computed_tokens
+        every = st.point_every
+        prompt = req.num_prompt_tokens
+        point = min(-(-end // every) * every, prompt) if every else prompt
+        need = payload.scores[rid]
+        if end != point:
+            need &= ~AttentionNeed.LAST_ROW.value
+        w = getattr(st.policy, "window", None) if need & AttentionNeed.WINDOW.value else None
+        if w:
+            rows = end - max(end - n, point - w)
+            if rows <= 0:
+                need = 0
+            elif rows != w:
+                payload.windows[rid] = rows
+        if not need & (AttentionNeed.COL_SUM.value | AttentionNeed.LAST_ROW.value | AttentionNeed.KEY_NORM.value
+                       | AttentionNeed.QUERY_MOMENTS.value):
+            del payload.scores[rid]
+        else:
+            payload.scores[rid] = need
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's last cut of a step's tokens for a request (both its running and waiting passes
+        call it), then: a prefill chunk of a request with ``prefill_eviction: chunks`` never
+        crosses one of its eviction points (multiples of ``prefill_eviction_every``), so it
+        evicts at the same logical positions whatever else runs (``counts.at_point``)."""
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if n > 1 and self._vt_points and num_computed_tokens < request.num_prompt_tokens:
+            every = self._vt_points.get(request.request_id)
+            if every:
+                n = min(n, every - num_computed_tokens % every)
+        return n
 
     def _vt_evict_fixed_counts(self, payload: StepPayload, is_async: bool) -> None:
         """Fixed pacing: every running request past its prefill whose live
@@ -581,7 +636,7 @@ class VTokenSchedulerMixin:
             states = self._vt_states
             for i, ki in zip(np.flatnonzero(prefill).tolist(), k[prefill].tolist()):
                 st = states[rids[int(pos[i])]]
-                st.prefill_evict_log.append((len(st.chunk_log), ki))
+                st.prefill_evict_log.append((int(m[C.LOGICAL, i]) // st.point_every, ki))
         if np.count_nonzero(m[C.CAP_OVER] > 0):  # (else no protection can cap k: counts.derived)
             # evictable(live, logical, 0, recent, floor): positions below the floor are all live,
             # so min(floor, logical, live) == min(floor, live)
@@ -855,7 +910,7 @@ class VTokenSchedulerMixin:
             return
         st.log_eviction(st.decode_steps + 1 if st.decoding else 0, asked)  # (0: before a prefill chunk)
         if not st.decoding:
-            st.prefill_evict_log.append((len(st.chunk_log), asked))
+            st.prefill_evict_log.append((table.num_logical // st.point_every, asked))
         if k <= 0:
             return
         table.evict(k)
@@ -987,6 +1042,7 @@ class VTokenSchedulerMixin:
                 st.detach()  # its figures stay readable; the row is reused
         if request.is_finished():
             self._vt_req_cfg.pop(rid, None)
+            self._vt_points.pop(rid, None)
             self._vt_accounting.cache_cap.pop(rid, None)
             self._vt_accounting.admission_cap.pop(rid, None)
 

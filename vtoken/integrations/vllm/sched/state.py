@@ -46,8 +46,11 @@ class RequestState:
     #: set once a scheduled step completes the (re-)prefill, i.e. samples a token; decided
     #: at schedule time, so async scheduling starts eviction at the same step as sync.
     decoding: bool = False
-    #: ``prefill_eviction: chunks``: it may also evict between its prefill chunks
+    #: ``prefill_eviction: chunks``: it may also evict between its prefill chunks, at its
+    #: eviction points (logical positions that are multiples of ``point_every``)
     chunk_evict: bool = False
+    #: ``prefill_eviction_every`` of a ``chunk_evict`` request (0: none)
+    point_every: int = 0
     #: decode forwards scheduled so far (1 = the first decode step); scores are computed on
     #: every prefill chunk and on decode steps d with d % score_every == 0 (as the oracle).
     decode_steps: int = 0
@@ -95,11 +98,11 @@ class RequestState:
     evicted: int = 0
     #: (decode step, tokens asked of the policy) of every eviction: the oracle replays it
     evict_log: list = field(default_factory=list)
-    #: tokens scheduled in each prefill chunk (the oracle replays the
-    #: chunking, ``oracle_generate(prefill_chunks=...)``)
+    #: tokens scheduled in each prefill step (vLLM's chunks, which never cross an eviction point;
+    #: the oracle does not need them: it cuts the prompt at the points)
     chunk_log: list = field(default_factory=list)
-    #: ``prefill_eviction: chunks``: ``(boundary, k)`` per eviction before a prefill chunk, ``boundary``
-    #: the chunks done before it (``chunk_log`` index of the next chunk), ``k`` the count asked (as
+    #: ``prefill_eviction: chunks``: ``(point, k)`` per eviction during the prefill, ``point`` the
+    #: eviction point's index (logical position // ``point_every``), ``k`` the count asked (as
     #: ``evict_log``, which logs the same evictions at decode step 0); the oracle's
     #: ``prefill_evict_schedule`` (pressure pacing decides these counts from pool state)
     prefill_evict_log: list = field(default_factory=list)

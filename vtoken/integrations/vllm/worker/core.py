@@ -29,6 +29,7 @@ factory given at construction).
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -70,6 +71,7 @@ class VTokenWorkerCore:
         self.layout_for = layout_for
         self.offsets: dict[str, int] = {}  # req_id -> logical tokens minus live tokens (non-zero only)
         self.score_reqs: dict[str, int] = {}  # req_id -> AttentionNeed value, this step
+        self.score_windows: dict[str, int] = {}  # req_id -> WINDOW rows of this prefill step (payload.windows)
         self.step: Optional[StepScores] = None
         self._caches: Optional[list[tuple[torch.Tensor, KVLayout]]] = None
         self._stack: Any = False  # CPULayerStack of kv_caches(), None where they do not stack; False: not built
@@ -227,14 +229,16 @@ class VTokenWorkerCore:
             self.suspended_requests += len(self.decisions.suspending)
             self.report["seconds"] += time.perf_counter() - t0
         if payload is not None:
-            for rid, off in payload.offsets.items():
-                if off:
-                    self.offsets[rid] = off
-                else:
-                    self.offsets.pop(rid, None)
+            if payload.offsets:  # (every evicting request's, every step: one C-level update)
+                self.offsets.update(payload.offsets)
+                if 0 in payload.offsets.values():
+                    for rid in [r for r, off in payload.offsets.items() if not off]:
+                        del self.offsets[rid]
             self.score_reqs = payload.scores
+            self.score_windows = payload.windows
         else:
             self.score_reqs = {}
+            self.score_windows = {}
         self.forget(finished)
         for rid in finished:
             self._saved_kv.pop(rid, None)
@@ -458,7 +462,7 @@ class VTokenWorkerCore:
         """int64 ``[len(req_ids)]`` offsets in batch order, or None when all are zero."""
         if not self.offsets:
             return None
-        off = np.fromiter((self.offsets.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        off = np.fromiter(map(self.offsets.get, req_ids, itertools.repeat(0)), dtype=np.int64, count=len(req_ids))
         return off if off.any() else None
 
     def start_scoring(self, req_ids: list[str], positions: Optional[torch.Tensor] = None) -> None:
@@ -474,7 +478,7 @@ class VTokenWorkerCore:
                 if self.decisions is not None:
                     grans = {r: g for _, r, _ in rows if (g := self.decisions.granularity(r)) != "request"} or None
                     windows = {r: w for _, r, need in rows if need & AttentionNeed.WINDOW.value
-                               and (w := self.decisions.window(r)) is not None} or None
+                               and (w := self.score_windows.get(r, self.decisions.window(r))) is not None} or None
                 rope = None
                 if any(need & AttentionNeed.QUERY_MOMENTS.value for _, _, need in rows):
                     if self.rope is None or positions is None:
