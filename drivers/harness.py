@@ -11,7 +11,8 @@ Spec (JSON)::
     {"engine": {LLM kwargs},            # model, dtype, block_size, num_gpu_blocks_override, ...
      "vtoken": {...} | null,            # additional_config["vtoken"]; null: no vtoken key
      "requests": [{"id": "r0", "prompt_token_ids": [...], "max_tokens": 64, "ignore_eos": true,
-                   "extra_args": {...}, "abort_after_steps": 5, "arrive_at_step": 0}],
+                   "extra_args": {...}, "abort_after_steps": 5, "arrive_at_step": 0,
+                   "n": 1, "top_k": null, "temperature": 0.0}],   # n > 1: children in "children"
      "groups": [{"name": "g", "requests": [...]}],   # instead of "requests": batches run one
                                         # after another in the same engine, each from an idle engine
      "hooks": "path/to/file.py:Class",  # optional RunHooks subclass (instrumentation, faults)
@@ -19,6 +20,7 @@ Spec (JSON)::
 
 Output (JSON), per group (with ``requests``: at the top level): ``tokens`` (request id ->
 generated token ids), ``finish`` (id -> reason; ``"abort"`` for aborted ones),
+``children`` (id -> every completion's token ids, in index order, for a request with ``n > 1``),
 ``free_blocks_start`` / ``free_blocks_end`` (the pool's free count at the group's ends),
 ``num_blocks``, ``steps``, ``wall_s``, ``max_running`` (most requests decoding together),
 plus what the hooks add; with ``groups`` the output is ``{"groups": [{"name", ...}, ...]}``.
@@ -55,6 +57,7 @@ class GroupRun:
         self.engine, self.sched, self.name = engine, sched, name
         self.step = 0
         self.tokens: dict[str, list[int]] = {}
+        self.children: dict[str, list[list[int]]] = {}  # (filled at the end of the group)
         self.finish: dict[str, str] = {}
         self.iid_of: dict[str, str] = {}
 
@@ -110,6 +113,7 @@ def _run_group(engine, sched, pool, requests: list[dict], hooks: RunHooks, name:
     free_start = pool.get_num_free_blocks()
     pending = sorted(requests, key=lambda r: r.get("arrive_at_step", 0))
     abort_at: dict[str, int] = {}
+    n_of: dict[str, dict[int, list[int]]] = {}  # request id (n > 1) -> completion index -> token ids
     max_running = 0
     t0 = time.perf_counter()
     hooks.group_start(run)
@@ -127,7 +131,9 @@ def _run_group(engine, sched, pool, requests: list[dict], hooks: RunHooks, name:
             r = pending.pop(0)
             sp = SamplingParams(
                 max_tokens=r.get("max_tokens", 64),
-                temperature=0.0,
+                n=r.get("n", 1),
+                temperature=r.get("temperature", 0.0),
+                **({"top_k": r["top_k"]} if r.get("top_k") is not None else {}),
                 ignore_eos=r.get("ignore_eos", True),
                 detokenize=False,
                 extra_args=r.get("extra_args") or None,
@@ -135,6 +141,8 @@ def _run_group(engine, sched, pool, requests: list[dict], hooks: RunHooks, name:
             iid = engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
             run.iid_of[r["id"]] = iid if isinstance(iid, str) else r["id"]
             run.tokens[r["id"]] = []
+            if r.get("n", 1) > 1:
+                n_of[r["id"]] = {}
             if "abort_after_steps" in r:
                 abort_at[r["id"]] = run.step + r["abort_after_steps"]
             hooks.added(run, r, run.iid_of[r["id"]])
@@ -146,6 +154,9 @@ def _run_group(engine, sched, pool, requests: list[dict], hooks: RunHooks, name:
             if run.finish.get(o.request_id) == "abort":
                 continue
             run.tokens[o.request_id] = list(o.outputs[0].token_ids)
+            if o.request_id in n_of:  # n > 1: each completion arrives under the parent's id, by index
+                for c in o.outputs:
+                    n_of[o.request_id][c.index] = list(c.token_ids)
             if o.finished:
                 run.finish[o.request_id] = str(o.outputs[0].finish_reason)
         max_running = max(max_running, len(sched.running))
@@ -156,12 +167,14 @@ def _run_group(engine, sched, pool, requests: list[dict], hooks: RunHooks, name:
                 run.abort(rid)
                 del abort_at[rid]
     wall = time.perf_counter() - t0
+    run.children = {rid: [c[i] for i in sorted(c)] for rid, c in n_of.items()}
     # Let the aborted requests' frees reach the pool.
     for _ in range(3):
         if engine.has_unfinished_requests():
             engine.step()
     out: dict[str, Any] = dict(
         tokens=run.tokens,
+        children=run.children,
         finish=run.finish,
         free_blocks_start=free_start,
         free_blocks_end=pool.get_num_free_blocks(),

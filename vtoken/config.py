@@ -184,13 +184,15 @@ class VTokenConfig(BaseModel):
     )
 
     prefix_hits: Literal["protect", "skip"] = Field(
-        "protect",
+        "skip",
         description="with vLLM prefix caching on, for a request that may evict and whose policy needs statistics of "
         "the prompt tokens a hit skips (h2o, snapkv, knorm and expected_attention): protect: it reads its hit and never evicts the hit's "
         "tokens (its tokens can then differ from a run without the cache); skip: it does not read the prefix "
         "cache (vLLM's Request.skip_reading_prefix_cache): it computes its whole prompt, its tokens never depend "
         "on the cache, and its blocks are still cached for other requests. Other requests read their hits and "
-        "evict inside them exactly either way. No effect with prefix caching off (docs/configuration.md, \"Prefix caching\")",
+        "evict inside them exactly either way. Default skip: the same request gives the same tokens whatever the "
+        "cache holds (an n > 1 request's children equal each other and the request alone); protect trades that for "
+        "hits. No effect with prefix caching off (docs/configuration.md, \"Prefix caching\")",
     )
 
     @model_validator(mode="before")

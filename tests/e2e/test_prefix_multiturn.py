@@ -39,7 +39,7 @@ from vtoken.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine
 
-VT = {"policy": "h2o", "budget": 96, "slack": 0, "sink_tokens": 64}
+VT = {"policy": "h2o", "budget": 96, "slack": 0, "sink_tokens": 64, "prefix_hits": "protect"}  # (hits read and kept)
 MAX_TOKENS = 16
 TURNS = 3
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely, and say so when you do not know."

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.engine
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
 NEW = 64
-VT = {"policy": "h2o", "budget": 176, "recent_tokens": 8}
+VT = {"policy": "h2o", "budget": 176, "recent_tokens": 8, "prefix_hits": "protect"}  # (the protect rule under test)
 PREFIX = [(j * 29 + 7) % 250 + 1 for j in range(128)]
 
 

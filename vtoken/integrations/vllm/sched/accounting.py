@@ -72,6 +72,10 @@ class BlockAccounting:
         #: request id -> tokens vLLM reserves at its admission at most (``prefill_eviction:
         #: chunks``: budget + slack + chunk + 1, ``sched/admission.py``); absent: the full prompt
         self.admission_cap: dict[str, int] = {}
+        #: ids of the blocks vLLM hashed in the current ``schedule()``: their KV is computed in this
+        #: step's forward, so a request that hits one in this step may not copy it before the
+        #: forward (the scheduler trims such a hit: ``VTokenSchedulerMixin._get_local_prefix_cache_hit``)
+        self.cached_now: set[int] = set()
 
     #: :attr:`deltas` value of a ``mode: naive`` request
     NAIVE = -1
@@ -148,11 +152,18 @@ class VTokenFullAttentionManager(FullAttentionManager):
 
     def cache_blocks(self, request, num_tokens, *args, **kwargs):
         """Stock caching, capped at ``BlockAccounting.cache_cap`` tokens for a request that has
-        evicted (its blocks past the cap may be written, so no other request may hit them)."""
-        cap = self._vt_accounting.cache_cap.get(request.request_id)
+        evicted (its blocks past the cap may be written, so no other request may hit them); the
+        blocks it hashes go to ``BlockAccounting.cached_now``."""
+        rid = request.request_id
+        cap = self._vt_accounting.cache_cap.get(rid)
         if cap is not None and num_tokens > cap:
             num_tokens = cap
-        return super().cache_blocks(request, num_tokens, *args, **kwargs)
+        before = self.num_cached_block.get(rid, 0)
+        out = super().cache_blocks(request, num_tokens, *args, **kwargs)
+        after = self.num_cached_block.get(rid, 0)
+        if after > before:  # (hashed now: computed in this step's forward)
+            self._vt_accounting.cached_now.update(b.block_id for b in self.req_to_blocks[rid][before:after])
+        return out
 
     def vt_free_tail(self, request_id: str, keep: int) -> list:
         """Hand the request's blocks past its first ``keep`` back to vLLM's block pool (an

@@ -116,6 +116,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vtoken:prefix_reads_skipped": ("prefix_reads_skipped",
                                     "Prefix caching with prefix_hits skip: requests that did not read the prefix "
                                     "cache (their policy cannot take a hit exactly; they computed their prompt)."),
+    "vtoken:same_step_hits_trimmed": ("same_step_hits_trimmed",
+                                      "Prefix caching: hits cut short at a block vLLM hashed in the same step (its KV "
+                                      "not yet computed; the request computes those tokens itself, as if alone)."),
     "vtoken:request_faults": ("request_faults",
                               "Faults confined to one request (see the log): a bad override turns its eviction "
                               "off; a failure on the worker (policy exception, non-finite statistics) ends it with "
@@ -151,6 +154,7 @@ UNITS: dict[str, str] = {
     "vtoken:unshared_blocks": "blocks",
     "vtoken:unshare_deferred": "events",
     "vtoken:prefix_reads_skipped": "requests",
+    "vtoken:same_step_hits_trimmed": "requests",
     "vtoken:tokens_above_budget": "tokens",
     "vtoken:pressure_events": "steps",
     "vtoken:pressure_evictions": "events",

@@ -357,6 +357,8 @@ class VTokenSchedulerMixin:
         is_async = self._vt_is_async
         self._vt_preempted_now.clear()
         self._vt_released_now = []
+        if self._vt_accounting.cached_now:
+            self._vt_accounting.cached_now.clear()
         if self.vt_cfg.pacing == "pressure":
             eligible = []
             for order, req in enumerate(self.running):
@@ -563,6 +565,30 @@ class VTokenSchedulerMixin:
             del payload.scores[rid]
         else:
             payload.scores[rid] = need
+
+    def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
+        """vLLM's prefix-cache hit of a waiting request, then, for a request that may evict: the hit
+        ends before the first block vLLM hashed in this very ``schedule()`` (``cached_now``).
+
+        vLLM hashes a block when it schedules the tokens that fill it, so a request admitted later in
+        the same step can hit a block whose KV this step's forward is still to compute (stock vLLM
+        reads it after the forward wrote it). A vToken request copies its hit into private blocks
+        before the forward (``_vt_copy_hit``), and would copy a block not yet written: the second
+        child of an ``n = 2`` request, or the same prompt sent twice at once. It computes those
+        tokens itself instead, exactly as if it had come alone."""
+        hit = super()._get_local_prefix_cache_hit(request, *args, **kwargs)  # (0.33: max_cache_hit_length)
+        now = self._vt_accounting.cached_now
+        if not now or not hit[1] or self._vt_req_cfg.get(request.request_id) is None:
+            return hit
+        blocks, num_local, boundary, diverged = hit
+        first = blocks.blocks[0]
+        keep = next((j for j, b in enumerate(first) if b.block_id in now), None)
+        if keep is None:
+            return hit
+        tokens = min(num_local, keep * self._vt_bs)
+        blocks = type(blocks)(tuple(list(g[:keep]) for g in blocks.blocks))
+        self.vt_stats.same_step_hits_trimmed += 1
+        return blocks, tokens, min(boundary, tokens), diverged
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM's last cut of a step's tokens for a request (both its running and waiting passes

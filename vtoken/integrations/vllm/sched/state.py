@@ -146,6 +146,8 @@ class VTokenStats:
     unshare_deferred: int = 0
     #: prefix caching, prefix_hits skip: requests that did not read the prefix cache
     prefix_reads_skipped: int = 0
+    #: prefix caching: hits cut short at a block hashed in the same step (not yet computed)
+    same_step_hits_trimmed: int = 0
     #: repack moves left off a step's payload because the stock schedule() preempted their
     #: request after they were planned (its blocks were already back in the pool)
     moves_dropped_preempted: int = 0
