@@ -83,7 +83,7 @@ STORM += [_r(f"s-on-{i}", 30 + i, 120, 100, {"vtoken_policy": ["h2o", "tova", "s
 #: its default per-head sets gives other tokens in this mixed batch than alone, from the first
 #: decode token on (its ``< 1/t`` test on float32 probabilities, which the batched decode scorer
 #: reduces in another order than a batch of one). Every other request here equals its solo run.
-BATCH_DEPENDENT = {"iso-scissorhands-64"}
+BATCH_DEPENDENT: set = set()
 ABORTED = {"a-evict", "a-repack", "a-prefill", "a-decode-off", "a-wait"}
 GROUPS = {"mix": MIX, "faults": FAULTS, "storm": STORM}
 

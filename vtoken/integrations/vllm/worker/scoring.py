@@ -384,19 +384,23 @@ class StepScores:
         plan = self._plan
         R, L, Hq, hd = q.shape
         Hkv = k.shape[2]
-        q = q.float().view(R, L, Hkv, Hq // Hkv, hd)
-        logits = torch.einsum("rlkgd,rlknd->rlkgn", q, k) * scale
+        # float64 from the products on: a float32 product and softmax round differently with the
+        # batch's padded width (another GEMM edge, another reduction tail), so a request's
+        # probabilities would depend on the other requests of its step; in float64 that rounding is
+        # below anything a policy compares (Scissorhands' `< 1/t` test, ties)
+        q = q.double().view(R, L, Hkv, Hq // Hkv, hd)
+        logits = torch.einsum("rlkgd,rlknd->rlkgn", q, k.double()) * scale
         if plan["pad"] is not None:
             logits.masked_fill_(plan["pad"][rows][:, None, None, None, :], float("-inf"))
         p_all = torch.softmax(logits, dim=-1)  # [R, L, Hkv, G, max_n]
         if plan["need_acc"]:
-            probs = p_all.mean(dim=(2, 3)).double().sum(dim=1)  # [R, max_n]: each layer's mean, summed
+            probs = p_all.mean(dim=(2, 3)).sum(dim=1)  # [R, max_n]: each layer's mean, summed
             if self._single_acc is None:
                 self._single_acc = torch.zeros(len(plan["singles"]), plan["max_n"], dtype=torch.float64)
             self._single_acc[rows] += probs
         if self.grans:
             # [R, L, Hkv, max_n]: each KV head's query heads, per layer (the rows with sets take theirs)
-            self._ph_chunks.append((rows, list(layers), p_all.double().mean(dim=3)))
+            self._ph_chunks.append((rows, list(layers), p_all.mean(dim=3)))
 
     def _finish_singles(self) -> None:
         """The deferred one-query rows: every layer's keys in one read of the layer stack
