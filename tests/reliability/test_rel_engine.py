@@ -79,10 +79,9 @@ FAULTS = [
 # 6 x ceil(220/32) = 42 blocks of eviction-off demand > 39: preemption storm
 STORM = [_r(f"s-off-{i}", 20 + i, 120, 100, OFF) for i in range(6)]
 STORM += [_r(f"s-on-{i}", 30 + i, 120, 100, {"vtoken_policy": ["h2o", "tova", "streaming"][i]}) for i in range(3)]
-#: KNOWN, open (issue 41, "same request, same tokens"): on the one eviction path, Scissorhands at
-#: its default per-head sets gives other tokens in this mixed batch than alone, from the first
-#: decode token on (its ``< 1/t`` test on float32 probabilities, which the batched decode scorer
-#: reduces in another order than a batch of one). Every other request here equals its solo run.
+#: requests allowed to differ from their solo run: none. (Scissorhands' ``< 1/t`` test flipped here
+#: while the batched decode scorer computed in float32, which rounds with the batch's padded width;
+#: it computes in float64 now, ``StepScores._fold_singles``.)
 BATCH_DEPENDENT: set = set()
 ABORTED = {"a-evict", "a-repack", "a-prefill", "a-decode-off", "a-wait"}
 GROUPS = {"mix": MIX, "faults": FAULTS, "storm": STORM}
