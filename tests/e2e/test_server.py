@@ -135,24 +135,29 @@ def test_gauges_in_flight_then_zero_when_idle(server, sharegpt_prompts):
                 stream=True)
     seen = None
     for _attempt in range(4):  # the tiny model may finish 1800 tokens before a scrape; retry (bounded)
+        gen0 = _wait_idle(server).get("vllm:generation_tokens_total", 0.0)
         with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=HTTP_TIMEOUT_S) as r:
             assert r.status_code == 200
-            for n, line in enumerate(r.iter_lines(decode_unicode=True)):
+            # (the line iterator stays referenced while we poll: a generator dropped after `break`
+            # is closed, which closes the connection, and the server aborts the request)
+            lines = r.iter_lines(decode_unicode=True)
+            for n, line in enumerate(lines):
                 if line and line.startswith("data: ") or n > 10:
                     break
-            # The gauges are published at most every GAUGE_INTERVAL_S (50 ms) from schedule(): the
-            # first publication may be the prefill step's (nothing evicted yet), so poll a while.
-            for _poll in range(50):
+            # Poll while the request runs: vToken publishes its gauges at most every 50 ms from
+            # schedule() (the first publication may be the prefill step's, nothing evicted yet).
+            # Finished: all its tokens counted by vLLM.
+            end = time.monotonic() + 10.0
+            while time.monotonic() < end:
                 m = server.metrics()
                 if _vt(m, "evicting_requests") == 1:
                     seen = m
                     break
-                if m.get("vllm:num_requests_running", 0) == 0:
-                    break  # finished already
+                if m.get("vllm:generation_tokens_total", 0.0) - gen0 >= body["max_tokens"]:
+                    break
                 time.sleep(0.02)
         if seen is not None:
             break
-        _wait_idle(server)
     assert seen is not None, "never caught the request in flight"
     m = seen
     # after schedule(): evicted down to the budget, then this step's token appended
