@@ -78,11 +78,16 @@ CONCURRENT = [[_req(f"C{i}", PREFIX + _suffix(10 + i, n), {"vtoken_policy": pol,
 
 
 def _run(tiny: str, vt: dict, phases: list, path: str, digests: bool, num_blocks: int = 256,
-         max_model_len: int = 1024) -> dict:
+         max_model_len: int = 1024, kv_events: bool = False) -> dict:
     engine = dict(model=tiny, dtype="float32", max_model_len=max_model_len, block_size=BLOCK, enforce_eager=True,
                   gpu_memory_utilization=0.1, num_gpu_blocks_override=num_blocks, skip_tokenizer_init=True,
                   enable_prefix_caching=True)
     spec = dict(engine=engine, vtoken=vt, phases=phases, digests=digests)
+    if kv_events:  # vLLM's ZMQ publisher on the loopback interface, on a free port
+        from drivers.launcher import free_port
+
+        spec["kv_events"] = f"tcp://127.0.0.1:{free_port()}"
+        spec["kv_events_replay"] = f"tcp://127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory() as d:
         sp, op = Path(d) / "spec.json", Path(d) / "out.json"
         sp.write_text(json.dumps(spec))
@@ -425,3 +430,38 @@ def test_sharers_releasing_the_same_blocks_in_one_step(tiny):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# KV events (issue 45): the prefix-caching workload above (evictions inside cached prompts, sharers
+# of different policies), an abort, then the pool-pressure phases (deferred first evictions,
+# preemption), and four sharers of the prefix that outgrow the pool together (preempted, resumed
+# with their saved K/V), in a pool of 16 blocks.
+KV_EVENTS_PHASES = (SEQUENCE + [CONCURRENT[0] + [dict(_req("X", PREFIX + _suffix(50, 40), TOVA, max_tokens=60),
+                                                      abort_after=6)]] + PRESSURE
+                    + [[_req(f"G{i}", PREFIX + _suffix(60 + i, 30), {"vtoken_budget": 300}, max_tokens=100)
+                        for i in range(4)]])
+
+
+def test_kv_events_match_the_block_pool(tiny):
+    """vLLM's KV events, read from its own ZMQ publisher as a KV-aware router reads them, describe
+    the block pool's cached blocks exactly after every step: the multiset of (block hash, group)
+    rebuilt from ``BlockStored`` / ``BlockRemoved`` equals ``BlockPool.cached_block_hash_to_block``.
+    Every stored block names tokens that a request really has at that block of its sequence (its
+    prompt and answer, block-aligned): vToken hashes a request's blocks only before its first
+    eviction position, so no private copy or repacked block is ever announced; and no hashed block
+    a request holds changes its contents (digests)."""
+    out = _run(tiny, VT_DEFAULT, KV_EVENTS_PHASES, "v1-sync", digests=True, num_blocks=16, max_model_len=384,
+               kv_events=True)
+    ev = out["kv_events"]
+    assert ev["checks"] > 100 and ev["mismatches"] == 0, ev["first"]
+    assert ev["stored"] > 10 and ev["removed"] > 0, (ev["stored"], ev["removed"])
+    st = out["stats"]
+    assert out["aborted"] == ["X"] and st["request_faults"] == 0
+    assert st["preemption_resets"] > 0 and st["unshared_blocks"] > 0, {k: v for k, v in st.items() if "pre" in k or "unsh" in k}
+    assert out["digest_checks"] > 0 and out["free_after_phase"][-1] == out["free_start"]
+    # every announced block: a block-aligned run of a request's own tokens (prompt, then answer)
+    seqs = [out["prompts"][rid] + out["tokens"].get(rid, []) for rid in out["prompts"]]
+    chunks = {tuple(s[i:i + BLOCK]) for s in seqs for i in range(0, len(s) - BLOCK + 1, BLOCK)}
+    bad = [h for h, toks in ev["tokens"].items() if tuple(toks) not in chunks]
+    assert len(ev["tokens"]) == ev["stored"] or len(ev["tokens"]) > 10
+    assert not bad, f"{len(bad)} stored blocks name tokens no request has there"

@@ -65,8 +65,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "prefill " + _CONTEXT_PARALLEL_REASON),
     Refusal("kv_transfer", "--kv-transfer-config", "start-up",
             "KV connectors assume positionally stable block tables"),
-    Refusal("kv_events", "--kv-events-config", "start-up",
-            "KV events describe hashed blocks, which repacking invalidates"),
     Refusal("kv_cache_dtype", "--kv-cache-dtype", "start-up",
             "the token-move layout probe covers fp32/bf16/fp16 caches only (fp8 and quantized caches untested); "
             f"allowed: {', '.join(KV_CACHE_DTYPES)} (auto: a model dtype of {', '.join(MODEL_DTYPES)})"),
@@ -177,8 +175,6 @@ def check_engine_args(args) -> None:
         refuse("prefill_context_parallel", args.prefill_context_parallel_size)
     if args.kv_transfer_config is not None:
         refuse("kv_transfer", "set")
-    if getattr(args, "kv_events_config", None) is not None:
-        refuse("kv_events", "set")
     if str(args.kv_cache_dtype) not in KV_CACHE_DTYPES:
         refuse("kv_cache_dtype", args.kv_cache_dtype)
 
