@@ -123,7 +123,7 @@ bench-sla-512-snapkv: assets
 		--name sla_at_quality_512_snapkv
 
 # Task accuracy (RULER's synthetic tasks through lm-eval against `vllm serve`, offline): stock, then H2O, TOVA,
-# SnapKV, KeyDiff and StreamingLLM at 12.5 / 25 / 50 % of the prompt, 1k and 2k tokens, prefix caching off;
+# SnapKV and StreamingLLM at 12.5 / 25 / 50 % of the prompt, 1k and 2k tokens, 25 samples, prefix caching off;
 # benchmarks/results/tasks.json + .png. Installs the tasks extra (lm-eval) first. BENCH_TASKS_ARGS=--small: the smoke.
 BENCH_TASKS_ARGS ?=
 bench-tasks: assets

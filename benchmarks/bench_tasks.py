@@ -27,7 +27,7 @@ task and length).
 Usage::
 
     .venv/bin/python benchmarks/bench_tasks.py --small      # stock + H2O 25 %, niah_single_1 at 1k, 20 samples
-    .venv/bin/python benchmarks/bench_tasks.py              # full: 6 tasks x {1k, 2k} x stock + 5 policies x 3 budgets
+    .venv/bin/python benchmarks/bench_tasks.py              # full: 6 tasks x {1k, 2k} x stock + 4 policies x 3 budgets, 25 samples
     .venv/bin/python benchmarks/bench_tasks.py --tasks ruler_vt --lengths 1024 --policies h2o tova --limit 10
 """
 
@@ -66,10 +66,10 @@ LEFT_OUT = {
     "ruler_qa_hotpot": "HotpotQA questions and passages from the Hugging Face hub",
 }
 RATIOS = [0.125, 0.25, 0.5]
-POLICIES = ["h2o", "tova", "snapkv", "keydiff", "streaming"]
+POLICIES = ["h2o", "tova", "snapkv", "streaming"]
 LENGTHS = [1024, 2048]
 SMALL = dict(tasks=["niah_single_1"], lengths=[1024], policies=["h2o"], ratios=[0.25], limit=20)
-FULL_LIMIT = 50
+FULL_LIMIT = 25
 
 
 # ----------------------------------------------------------------------------- pure helpers (tested)

@@ -196,3 +196,22 @@ def test_tasks_exist_in_lm_eval():
                 names.add(line.split(":", 1)[1].strip())
     assert set(bt.TASKS) <= names, set(bt.TASKS) - names
     assert set(bt.LEFT_OUT) <= names, set(bt.LEFT_OUT) - names
+
+
+def test_benchmarks_readme_smoke_figures_equal_the_result():
+    p = ROOT / "benchmarks" / "results" / "tasks_smoke.json"
+    if not p.exists():
+        pytest.skip("benchmarks/results/tasks_smoke.json not committed")
+    d = json.loads(p.read_text())
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    sec = " ".join(text[text.index("**Smoke** (`python benchmarks/bench_tasks.py"):].split("\n\n")[0].split())
+    assert f"`{d['command']}` -> `results/tasks_smoke.json`" in sec
+    cells = {c["arm"]: c for c in d["cells"]}
+    assert f"{cells['stock']['length'] // 1024}k tokens, {cells['stock']['n']} samples" in sec
+    assert f"mean prompt {cells['stock']['kv']['mean_prompt_tokens']} tokens, {d['total_wall_s']:.0f} s" in sec
+    assert f"stock {cells['stock']['correct']}/{cells['stock']['n']};" in sec
+    h2o = cells["h2o-25pct"]
+    assert (f"H2O at 25 % ({h2o['kv']['mean_kept_tokens']} tokens kept, {h2o['kv_kept_fraction']:.2f} of stock's) "
+            f"{h2o['correct']}/{h2o['n']}") in sec
+    snap = cells["snapkv-25pct"]
+    assert f"SnapKV at 25 % {snap['correct']}/{snap['n']}" in sec
