@@ -105,15 +105,15 @@ def expected_counters(res, bs: int = BLOCK_SIZE) -> dict[str, int]:
     """Counter increments one request must cause, replayed from an oracle result.
 
     Blocks: the prefill allocates ceil(P/B); before decode step i the scheduler evicts
-    ``k_i`` tokens and keeps ceil(live/B) blocks (the rest are freed), then the step's
-    token may need one more block.
+    ``k_i`` tokens and keeps ceil((live + 1)/B) blocks, room for the step's token (the rest
+    are freed); a step's token may need one more block.
     """
     held = _cdiv(res.prompt_len, bs)
     freed = 0
     for i in range(1, len(res.token_ids)):
         k = len(res.evicted_positions[i])
         if k:
-            keep = _cdiv(res.num_live[i - 1] - k, bs)
+            keep = _cdiv(res.num_live[i - 1] - k + 1, bs)
             freed += held - keep
             held = keep
         held = max(held, _cdiv(res.num_live[i], bs))

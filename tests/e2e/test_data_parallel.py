@@ -70,7 +70,7 @@ def test_each_rank_evicts_and_tokens_equal_the_oracle(dp_server, sharegpt_prompt
         got = [f.result(timeout=HTTP_TIMEOUT_S) for f in futs]
     m1 = _idle(dp_server)
     base = parse_config(VT)
-    want = {"evicted_tokens": 0, "evictions": 0}
+    want = {"evicted_tokens": 0, "evictions": 0, "freed_blocks": 0}
     for (pids, toks), x in zip(got, XARGS):
         cfg = parse_request_overrides(x).apply(base) if x else base
         res = oracle_generate(oracle_model, pids, MAX_TOKENS, cfg)
@@ -86,9 +86,6 @@ def test_each_rank_evicts_and_tokens_equal_the_oracle(dp_server, sharegpt_prompt
         assert sum(delta.values()) == v, (k, delta, v)
         if k == "evictions":
             assert all(d > 0 for d in delta.values()), delta
-    freed = {e: v - _by_engine(m0, "vtoken:freed_blocks_total").get(e, 0.0)
-             for e, v in _by_engine(m1, "vtoken:freed_blocks_total").items()}
-    assert sorted(freed) == ["0", "1"] and all(v > 0 for v in freed.values()), freed
     # both ranks back to zero: vToken's gauges and vLLM's own KV-cache usage
     for g in ("live_tokens", "logical_tokens", "retained_blocks", "naive_retained_blocks", "evicting_requests"):
         assert _by_engine(m1, f"vtoken:{g}") == {"0": 0.0, "1": 0.0}, g
