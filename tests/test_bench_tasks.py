@@ -215,3 +215,17 @@ def test_benchmarks_readme_smoke_figures_equal_the_result():
             f"{h2o['correct']}/{h2o['n']}") in sec
     snap = cells["snapkv-25pct"]
     assert f"SnapKV at 25 % {snap['correct']}/{snap['n']}" in sec
+
+
+def test_benchmarks_readme_budget_slice_figures_equal_the_result():
+    p = ROOT / "benchmarks" / "results" / "tasks_niah_single_1_1k.json"
+    if not p.exists():
+        pytest.skip("benchmarks/results/tasks_niah_single_1_1k.json not committed")
+    d = json.loads(p.read_text())
+    text = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    c = {x["arm"]: f"{x['correct']}/{x['n']}" for x in d["cells"]}
+    loads = [x["load_before"][0] for x in d["cells"]]
+    want = (f"(`{d['command']}` -> `results/tasks_niah_single_1_1k.json` and `.png`, {d['total_wall_s']:,.0f} s, "
+            f"load {min(loads):.1f}-{max(loads):.1f}): stock {c['stock']}; at 12.5 % H2O {c['h2o-12.5pct']}, SnapKV {c['snapkv-12.5pct']}; "
+            f"at 50 % H2O {c['h2o-50pct']}, SnapKV {c['snapkv-50pct']}.")
+    assert want in text
