@@ -533,6 +533,46 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
     return "\n".join(out) + "\n"
 
 
+#: the model-family matrix's execution paths, in column order (``drivers/model_families.py``)
+FAMILY_PATHS = (("v1-sync", "V1 sync"), ("mrv2-async", "MRV2 async"))
+
+
+def _family_cell(r: dict) -> str:
+    if r["status"] == "refused":
+        return f"refused: `{r['refusal']}`"
+    if r["status"] == "exact":
+        return f"exact ({len(r['first_diff'])}/{len(r['first_diff'])})"
+    bad = sum(v is not None for v in r["first_diff"].values())
+    return f"**mismatch** ({bad}/{len(r['first_diff'])})"
+
+
+def model_families_table(name: str = "model_families.json") -> str:
+    """docs/models.md: one row per model family of the matrix (``python -m drivers.model_families``):
+    shape, what the family adds, and per execution path whether all requests' tokens equal the
+    dense oracle's (or the start-up refusal)."""
+    d = _load(name)
+    rows = ["| family | heads (query / KV), head_dim | what it adds | " + " | ".join(h for _, h in FAMILY_PATHS) + " |",
+            "|---|---|---|" + "---|" * len(FAMILY_PATHS)]
+    for f in d["families"].values():
+        cells = [_family_cell(f["paths"][p]) if p in f["paths"] else "-" for p, _ in FAMILY_PATHS]
+        rows.append(f"| {f['label']} (`{f['config']}`) | {f['query_heads']} / {f['kv_heads']}, {f['head_dim']} "
+                    f"| {f['what']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def model_families_line(name: str = "model_families.json") -> str:
+    """README.md: the families whose every request matched the oracle on every path, and the refused ones."""
+    d = _load(name)
+    fams = d["families"].values()
+    exact = [f["label"] for f in fams if all(r["status"] == "exact" for r in f["paths"].values())]
+    refused = [f["label"] for f in fams if any(r["status"] == "refused" for r in f["paths"].values())]
+    other = [f["label"] for f in fams if f["label"] not in exact + refused]
+    line = f"Model families, tokens = the dense oracle's: {', '.join(exact)}"
+    if other:
+        line += f"; not yet: {', '.join(other)}"
+    return line + f"; refused by name: {', '.join(refused) if refused else 'none'} ([`docs/models.md`](docs/models.md)).\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -551,6 +591,7 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table,
           "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,
           "sla_pick_table": sla_pick_table,
+          "model_families_table": model_families_table, "model_families_line": model_families_line,
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
           "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),

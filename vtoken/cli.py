@@ -14,14 +14,21 @@ from typing import Callable, Sequence
 
 # ----------------------------------------------------------------------------- vtoken assets
 
-_ASSET_CHOICES = ("smollm2", "sharegpt", "sharegpt-long", "tiny")
+_ASSET_CHOICES = ("smollm2", "sharegpt", "sharegpt-long", "tiny", "families")
 #: what each asset is for, printed before it is built
 _ASSET_WHAT = {
     "smollm2": "SmolLM2-135M-Instruct, bf16 (served by make serve; ~25 s)",
     "sharegpt": "ShareGPT V3 conversations, vLLM JSON format (demo and vllm bench serve; ~5 s)",
     "sharegpt-long": "re-joined long ShareGPT conversations with token counts (benchmarks only; ~30 s-3 min)",
     "tiny": "tiny random Llamas, 1 and 2 KV heads (tests only; ~2 s)",
+    "families": "one tiny random model per model family (Qwen3, Gemma, MoE, ...; tests only; ~15 s)",
 }
+
+
+def _family_names() -> list[str]:
+    from vtoken.assets.families import FAMILIES
+
+    return list(FAMILIES)
 
 
 def _cmd_assets(args: argparse.Namespace) -> int:
@@ -34,6 +41,7 @@ def _cmd_assets(args: argparse.Namespace) -> int:
         "sharegpt": lambda: paths.ensure_sharegpt(force=args.force),
         "sharegpt-long": lambda: paths.ensure_sharegpt_long(force=args.force),
         "tiny": lambda: (paths.ensure_tiny_gqa_model(force=args.force), paths.ensure_tiny_model(force=args.force))[1],
+        "families": lambda: [paths.ensure_family_model(n, force=args.force) for n in _family_names()][0].parent,
     }
     print(f"vtoken assets: home {paths.vtoken_home()}; building {', '.join(wanted)}", flush=True)
     for i, name in enumerate(wanted, 1):

