@@ -127,7 +127,9 @@ bench-sla-512-snapkv: assets
 # benchmarks/results/tasks.json + .png. Installs the tasks extra (lm-eval) first. BENCH_TASKS_ARGS=--small: the smoke.
 BENCH_TASKS_ARGS ?=
 bench-tasks: assets
-	$(VPY) -c "import lm_eval" 2>/dev/null || $(VPY) -m pip install --progress-bar on -e '.[tasks]'
+	@# the extra reinstalls the project's dependencies, and with them PyPI's torchvision/torchcodec: removed again
+	$(VPY) -c "import lm_eval" 2>/dev/null || { $(VPY) -m pip install --progress-bar on -e '.[tasks]' && \
+	  { $(VPY) -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true; }; }
 	$(VPY) benchmarks/bench_tasks.py $(BENCH_TASKS_ARGS)
 
 # Ray Serve LLM (docs/scaling.md "Ray Serve LLM"): two replicas of the tiny model behind Ray Serve's OpenAI app,
