@@ -551,10 +551,16 @@ def model_families_table(name: str = "model_families.json") -> str:
     shape, what the family adds, and per execution path whether all requests' tokens equal the
     dense oracle's (or the start-up refusal)."""
     d = _load(name)
-    rows = ["| family | heads (query / KV), head_dim | what it adds | " + " | ".join(h for _, h in FAMILY_PATHS) + " |",
-            "|---|---|---|" + "---|" * len(FAMILY_PATHS)]
+    rows = ["| family | heads (query / KV), head_dim | what it adds | " + " | ".join(h for _, h in FAMILY_PATHS)
+            + " | Expected Attention |", "|---|---|---|" + "---|" * (len(FAMILY_PATHS) + 1)]
     for f in d["families"].values():
         cells = [_family_cell(f["paths"][p]) if p in f["paths"] else "-" for p, _ in FAMILY_PATHS]
+        ea = f.get("expected_attention_refusal")
+        if ea:  # the refusal's detail: after its last "; ", without the closing parenthesis
+            cells.append("refused: " + ea.rsplit("; ", 1)[-1][:-1])
+        else:
+            first = next(iter(f["paths"].values()))
+            cells.append("in the batch" if "expected_attention-head" in first.get("first_diff", {}) else "-")
         rows.append(f"| {f['label']} (`{f['config']}`) | {f['query_heads']} / {f['kv_heads']}, {f['head_dim']} "
                     f"| {f['what']} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"

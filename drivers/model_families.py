@@ -40,6 +40,25 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: Expected Attention (two more requests in the batch: head and request sets) needs one full, plain
+#: or Llama 3 RoPE in a vLLM rotary layer; on these families vToken refuses it (engine policy at
+#: start-up, a request's vtoken_policy with a 400) with these words
+EA_REFUSED: dict[str, str] = {
+    "olmo2": "its RoPE inside vLLM's Transformers modeling backend",
+    "gpt_neox": "its RoPE inside vLLM's Transformers modeling backend",
+    "phi": "partial_rotary_factor = 0.5",
+    "gptj": "no rotary position embedding (rope_theta)",
+    "gpt2": "no rotary position embedding (rope_theta)",
+}
+EA_ARMS = [("expected_attention", "head"), ("expected_attention", "request")]
+
+
+def arms_of(family: str) -> list[tuple[str, str]]:
+    """(policy, token sets) of the family's requests: :data:`ARMS`, plus :data:`EA_ARMS` where
+    Expected Attention runs."""
+    return ARMS + ([] if family in EA_REFUSED or family in REFUSED else EA_ARMS)
+
+
 def paths_of(family: str) -> list[str]:
     """The execution paths the matrix runs ``family`` on."""
     return ["v1-sync"] if family in REFUSED else ["v1-sync", "mrv2-async"]
@@ -50,9 +69,10 @@ def prompt(i: int, n: int = PROMPT_LEN) -> list[int]:
     return [((i + 3) * 37 + j * (11 + i % 5)) % 250 + 1 for j in range(n)]
 
 
-def requests() -> list[dict]:
+def requests(family: str) -> list[dict]:
     return [dict(id=f"{p}-{g}", prompt_token_ids=prompt(k), max_tokens=NEW_TOKENS,
-                 extra_args={"vtoken_policy": p, "vtoken_granularity": g}) for k, (p, g) in enumerate(ARMS)]
+                 extra_args={"vtoken_policy": p, "vtoken_granularity": g})
+            for k, (p, g) in enumerate(arms_of(family))]
 
 
 def engine_kwargs(model: str) -> dict:
@@ -60,10 +80,10 @@ def engine_kwargs(model: str) -> dict:
                 gpu_memory_utilization=0.1, num_gpu_blocks_override=64, skip_tokenizer_init=True)
 
 
-def run_engine(family: str, path: str) -> dict[str, Any]:
-    """One engine run of ``family`` on execution ``path``: the harness output, or
-    ``{"refused": message}`` when the engine refused to start (a ``RuntimeError`` from the harness
-    whose log holds "vToken does not support it yet")."""
+def run_engine(family: str, path: str, vtoken: dict | None = None) -> dict[str, Any]:
+    """One engine run of ``family`` on execution ``path`` (``vtoken``: the engine's config, default
+    :data:`BASE_VTOKEN`): the harness output, or ``{"refused": message}`` when the engine refused
+    to start (a ``RuntimeError`` from the harness whose log holds "vToken does not support it yet")."""
     from drivers.harness import run_in_subprocess
     from vtoken.assets.paths import ensure_family_model
 
@@ -75,14 +95,15 @@ def run_engine(family: str, path: str) -> dict[str, Any]:
     model = str(ensure_family_model(family))
     t0 = time.perf_counter()
     try:
-        out = run_in_subprocess(dict(engine=engine_kwargs(model), vtoken=BASE_VTOKEN, requests=requests()),
-                                env=path_env(path))
+        out = run_in_subprocess(dict(engine=engine_kwargs(model), vtoken=vtoken or BASE_VTOKEN,
+                                     requests=requests(family)), env=path_env(path))
     except RuntimeError as e:
         msg = str(e)
         if "vToken does not support it yet" not in msg:
             raise
         line = next(ln for ln in msg.splitlines()[::-1] if "vToken does not support it yet" in ln)
-        line = line[line.index("--model"):] if "--model" in line else line.strip()
+        starts = [line.find(w) for w in ("--model = ", "vtoken.policy = ") if w in line]
+        line = line[min(starts):] if starts else line.strip()
         # the model's directory depends on the machine ($VTOKEN_HOME): name it by its asset name
         return {"refused": line.replace(model, f"tiny-{family}"),
                 "engine_s": round(time.perf_counter() - t0, 1)}
@@ -110,7 +131,7 @@ def oracle_tokens(family: str, evict: bool = True) -> dict[str, list[int]]:
     return {r["id"]: list(oracle_generate(_models[family], r["prompt_token_ids"], NEW_TOKENS,
                                           parse_request_overrides(r["extra_args"]).apply(base) if evict else None
                                           ).token_ids)
-            for r in requests()}
+            for r in requests(family)}
 
 
 def eviction_changes(family: str, ref: dict[str, list[int]]) -> dict[str, bool]:
@@ -160,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     data.update({"command": "python -m drivers.model_families", "budget": BASE_VTOKEN["budget"],
                  "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "block_size": BLOCK,
-                 "arms": [f"{p}-{g}" for p, g in ARMS]})
+                 "arms": [f"{p}-{g}" for p, g in ARMS + EA_ARMS]})
     fams = data.setdefault("families", {})
     for family in a.families:
         entry = fams[family] = dict(family_info(family), paths=fams.get(family, {}).get("paths", {}))
@@ -175,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         entry["paths"] = {p: paths[p] for p in paths_of(family) if p in paths}
         if ref is not None:
             entry["eviction_changes_tokens"] = eviction_changes(family, ref)
+        if family in EA_REFUSED and a.paths:
+            out = run_engine(family, "v1-sync", {"policy": "expected_attention", "budget": BASE_VTOKEN["budget"]})
+            entry["expected_attention_refusal"] = out.get("refused")
+            print(family, "expected_attention", out.get("refused"), flush=True)
         RESULTS.write_text(json.dumps(data, indent=1) + "\n")  # after each family: a partial run keeps its rows
     data["families"] = {k: fams[k] for k in FAMILIES if k in fams}
     data = dict(sorted(data.items()))

@@ -4,7 +4,8 @@ start-up refusal that names what is missing.
 Per family (a tiny random model, ``vtoken/assets/families.py``) one engine per execution path
 runs four requests in one batch: H2O and K-norm, each under ``head`` and ``request`` token sets
 (per-request ``vtoken_policy`` / ``vtoken_granularity``), 160-token prompts, budget 48, 24
-greedy tokens. Each request's tokens must equal the dense oracle's (``vtoken.oracle``, which runs
+greedy tokens; two more with Expected Attention where the family has a plain or Llama 3 RoPE in a
+vLLM rotary layer (elsewhere Expected Attention must be refused at start-up, by name). Each request's tokens must equal the dense oracle's (``vtoken.oracle``, which runs
 the family's own transformers attention with the same eviction decisions). The matrix and its
 helpers are ``drivers/model_families.py``; every observed row must equal the committed
 ``benchmarks/results/model_families.json`` (what the docs' "Models" tables show).
@@ -78,6 +79,19 @@ def test_family_exact_or_refused(family, path):
         f"{family} on {path}: the committed row differs; rerun `python -m drivers.model_families {family}`")
 
 
+@pytest.mark.parametrize("family", list(mf.EA_REFUSED))
+def test_expected_attention_refused_by_name(family):
+    """Families without a full, plain or Llama 3 RoPE in a vLLM rotary layer (no RoPE, partial
+    rotary, or vLLM's Transformers modeling backend) refuse Expected Attention at start-up, before
+    any weights load (a request's vtoken_policy gets the same reason as a 400, tests/integration/
+    test_expected_attention_refusals.py)."""
+    out = mf.run_engine(family, "v1-sync", {"policy": "expected_attention", "budget": mf.BASE_VTOKEN["budget"]})
+    assert "refused" in out, f"{family}: expected_attention was not refused"
+    assert out["refused"].startswith("vtoken.policy = 'expected_attention': vToken does not support it yet (")
+    assert mf.EA_REFUSED[family] in out["refused"], out["refused"]
+    assert out["refused"] == _committed["families"][family]["expected_attention_refusal"]
+
+
 def test_committed_matrix_covers_every_family():
     fams = _committed["families"]
     assert list(fams) == list(FAMILIES)
@@ -85,4 +99,7 @@ def test_committed_matrix_covers_every_family():
         assert list(entry["paths"]) == mf.paths_of(name), name
         for path, r in entry["paths"].items():
             assert r["status"] == ("refused" if name in mf.REFUSED else "exact"), (name, path, r)
+            if name not in mf.REFUSED:
+                assert list(r["first_diff"]) == [f"{p}-{g}" for p, g in mf.arms_of(name)], (name, path)
+        assert ("expected_attention_refusal" in entry) == (name in mf.EA_REFUSED), name
         assert entry == dict(entry, **mf.family_info(name)), name

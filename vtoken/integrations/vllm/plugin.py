@@ -148,9 +148,15 @@ def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
                         f"the model has {vcfg.model_config.get_total_num_kv_heads()} KV heads, "
                         f"--tensor-parallel-size is {tp}")
     rope = refusals.rope_problem(vcfg.model_config.hf_text_config)
+    where = "the model's config"
+    if rope is None and vcfg.model_config.using_transformers_backend():
+        # e.g. GPT-NeoX, OLMo 2, Phi in vLLM 0.32: the RoPE runs inside the transformers code, so the worker
+        # finds no rotary embedding to un-rotate queries with (a request would fail at its first scored step)
+        rope = "its RoPE inside vLLM's Transformers modeling backend (transformers code, not a vLLM rotary layer)"
+        where = "the model as vLLM serves it"
     frontend.set_rope_problem(rope)
     if rope is not None and cfg.policy == "expected_attention":
-        refusals.refuse("ea_rope", cfg.policy, f"the model's config: {rope}")
+        refusals.refuse("ea_rope", cfg.policy, f"{where}: {rope}")
 
 
 def _check_block_size(block_size) -> None:
