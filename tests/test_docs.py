@@ -1210,3 +1210,15 @@ def test_benchmarks_readme_preemption_table_matches_result():
         assert row in text, row
         assert r["scheduled"] == 1 and r["live"] < r["logical"] and v["request_faults"] == 0, (gran, r)
     assert re.search(r"\| head \| 1 \| \d+ \| \d+ \| 1 \|", text)
+
+
+def test_benchmarks_readme_worker_step_matches_result():
+    """Issue 40's worker-step table equals results/bench_worker_step.json, and what the step
+    dispatches (torch ops, host syncs, uploads, Python lines) is the same at every request count."""
+    doc_tables = _doc_tables()
+    text = BENCH_DOC.read_text()
+    assert _generated(text, "benchmarks/doc_tables.py worker_step_table") == doc_tables.worker_step_table()
+    d = json.loads((RESULTS / "bench_worker_step.json").read_text())
+    assert [r["R"] for r in d["rows"]] == [8, 64, 256]
+    for key in ("ops", "host_syncs", "uploads", "py_lines"):
+        assert len({r["counts"]["step"][key] for r in d["rows"]}) == 1, key
