@@ -579,6 +579,21 @@ def model_families_line(name: str = "model_families.json") -> str:
     return line + f"; refused by name: {', '.join(refused) if refused else 'none'} ([`docs/models.md`](docs/models.md)).\n"
 
 
+def worker_step_table(name: str = "bench_worker_step.json") -> str:
+    """``bench_worker_step.py``: per request count, the worker's eviction step (begin + fold) in ms
+    and what it dispatches per step: torch ops, host syncs, uploads and Python lines in ``vtoken/``
+    (the counts must not grow with the number of requests)."""
+    d = _load(name)
+    rows = ["| requests x live tokens | step (ms) | begin / fold (ms) | torch ops | host syncs | uploads "
+            "| Python lines | take_naive_freed: ops / syncs |", "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        c, ms = r["counts"], r["ms"]
+        rows.append(f"| {r['R']} x {r['live']:,} | {ms['step']['median']:.1f} | {ms['begin']['median']:.1f} / "
+                    f"{ms['fold']['median']:.1f} | {c['step']['ops']} | {c['step']['host_syncs']} "
+                    f"| {c['step']['uploads']} | {c['step']['py_lines']} | {c['naive']['ops']} / {c['naive']['host_syncs']} |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -588,7 +603,7 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_h2o_faster_headline_table": lambda: sla_headline_table("sla_h2o_faster_scoring.json"),
           "sla_h2o_faster_table": lambda: sla_table("sla_h2o_faster_scoring.json"),
           "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json"),
-          "scheduler_table": scheduler_table, "granularity_cost_table": granularity_cost_table,
+          "scheduler_table": scheduler_table, "worker_step_table": worker_step_table, "granularity_cost_table": granularity_cost_table,
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
           "overhead_keyonly_b32_table": lambda: overhead_table("overhead_keyonly_b32.json"),

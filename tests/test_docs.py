@@ -1219,3 +1219,27 @@ def test_benchmarks_readme_preemption_table_matches_result():
         assert row in text, row
         assert r["scheduled"] == 1 and r["live"] < r["logical"] and v["request_faults"] == 0, (gran, r)
     assert re.search(r"\| head \| 1 \| \d+ \| \d+ \| 1 \|", text)
+
+
+def test_benchmarks_readme_worker_step_matches_result():
+    """Issue 40's worker-step table equals results/bench_worker_step.json, and what the step
+    dispatches (torch ops, host syncs, uploads, Python lines) is the same at every request count."""
+    doc_tables = _doc_tables()
+    text = BENCH_DOC.read_text()
+    assert _generated(text, "benchmarks/doc_tables.py worker_step_table") == doc_tables.worker_step_table()
+    d = json.loads((RESULTS / "bench_worker_step.json").read_text())
+    assert [r["R"] for r in d["rows"]] == [8, 64, 256]
+    for key in ("ops", "host_syncs", "uploads", "py_lines"):
+        assert len({r["counts"]["step"][key] for r in d["rows"]}) == 1, key
+
+
+def test_benchmarks_readme_tpot_matches_result():
+    """The TPOT ratio quoted for issue 40 is results/tpot_tiny.json's, and the file says whether it
+    meets the 1.5x criterion."""
+    d = json.loads((RESULTS / "tpot_tiny.json").read_text())
+    r = d["results"]["threads_1"]
+    flat = " ".join(BENCH_DOC.read_text().split())
+    assert f"stock {r['median_tpot_ms']['stock']:.2f} ms, vToken {r['median_tpot_ms']['vtoken']:.2f} ms, **{r['ratio']:.2f}x**" in flat
+    lo, hi = min(r["ratio_per_rep"]), max(r["ratio_per_rep"])
+    assert f"({lo:.2f}-{hi:.2f}x by repetition" in flat
+    assert r["meets_criterion"] == (r["ratio"] <= 1.5)

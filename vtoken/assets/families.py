@@ -10,7 +10,7 @@ model itself (``output_attentions``: the family's own scale, multipliers and nor
 :func:`build` records the numbers in the manifest; ``tests/assets/test_families.py`` checks
 that every family's mean max attention probability and logit spread stay clear of near-ties.
 
-``python -m vtoken.assets.families`` prints each family's check (building what is missing).
+``vtoken assets --only families`` builds what is missing; each model's ``vtoken_manifest.json`` holds its check.
 """
 
 from __future__ import annotations
@@ -233,15 +233,3 @@ def build(fam: Family, final: Path, *, force: bool = False) -> Path:
         raise
     return final
 
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    from vtoken.assets.paths import ensure_family_model
-
-    for name in sys.argv[1:] or FAMILIES:
-        fam = FAMILIES[name]
-        path = ensure_family_model(name)
-        m = json.loads((path / "vtoken_manifest.json").read_text())
-        print(f"{name:10s} {fam.config_cls:15s} {m['check']}  {path}")

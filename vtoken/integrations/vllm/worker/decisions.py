@@ -50,6 +50,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Callable, Iterable, Optional
 
@@ -276,6 +277,11 @@ class WorkerDecisions:
         self._glist: list[_Group] = []  # gid -> group
         #: faults confined to one request since the last output (:meth:`_fault`): req_id -> message
         self.faults: dict[str, str] = {}
+        #: ``VTOKEN_CHECK=1``: every step's moves are checked before they are applied
+        #: (:mod:`vtoken.integrations.vllm.worker.checks`); what the checks saw, for tests
+        self._check = os.environ.get("VTOKEN_CHECK", "0") not in ("", "0")
+        self.check_stats = {"moves_checked": 0, "freed_reused_same_step": 0}
+        self._moved: list[tuple] = []  # (check_group_moves' arguments) per evicting group
         #: preempted requests whose state is kept: req_id -> (blocks saved, side-cache fields of
         #: those blocks' slots, name -> ``[S, blocks * B, *lead]``); their K/V is saved by the caller
         self.suspended: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -400,6 +406,8 @@ class WorkerDecisions:
             if got is not None:
                 got[0].nblocks[got[1]] = min(keep, int(got[0].nblocks[got[1]]))
         self._take_block_ids(scheduler_output)
+        if self._check and self._moved:
+            self._check_step(scheduler_output, payload)
         self.resuming = []
         if self.suspended:  # (Model Runner V2 gets a resumed request as a new one, V1 as a cached one)
             resumed = [nr.req_id for nr in scheduler_output.scheduled_new_reqs]
@@ -535,12 +543,27 @@ class WorkerDecisions:
                          width=width, max_evict=max(int(k.max()), 0), expect_live=torch.from_numpy(expect).to(dev),
                          dead_width=-(-int(g.logical_h[rows].max()) // g.dec.block_size),
                          full=bool((live == width).all()))
+        if self._check:  # (checked in begin, outside _evict's fault confinement)
+            self._moved.append((rids.list() if isinstance(rids, _Names) else list(rids), rows, g.bt[rows].copy(),
+                                g.dec.block_size, live, g.shared_h[rows].copy(), ev))
         if ev.live_as_expected:
             g.live_h[rows] = expect
         else:  # (cannot happen while the scheduler's counts are the worker's: one host read)
             g.live_h[rows] = ev.new_live.cpu().numpy()
         self._naive.append((g, rows, (g.gid << 32) | rows, rids.list() if isinstance(rids, _Names) else list(rids)))
         return g.granularity, ev.src, ev.dst, ev.sets
+
+    def _check_step(self, scheduler_output: Any, payload: StepPayload) -> None:
+        """``VTOKEN_CHECK=1``: the step's moves against every request's blocks after the step's
+        truncation and block assignment (:func:`~vtoken.integrations.vllm.worker.checks.check_step_blocks`)."""
+        from vtoken.integrations.vllm.worker.checks import check_group_moves, check_step_blocks, new_blocks_of_step
+        held = {rid: set(g.bt[row, : int(g.nblocks[row])].tolist()) for rid, (g, row, _) in self.where.items()}
+        moved = [m for args in self._moved for m in check_group_moves(*args)]
+        self._moved = []
+        copies = {new: rid for rid, entries in payload.unshare.items() for _, _, new in entries}
+        self.check_stats["freed_reused_same_step"] += check_step_blocks(
+            moved, held, new_blocks_of_step(scheduler_output), frozenset(payload.suspend), copies)
+        self.check_stats["moves_checked"] += len(moved)
 
     def take_naive_freed(self, tp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                          tp_world: int = 1) -> Optional[dict[str, int]]:
