@@ -75,18 +75,78 @@ FULL_LIMIT = 25
 # ----------------------------------------------------------------------------- pure helpers (tested)
 def arm_list(policies: Iterable[str], ratios: Iterable[float], granularity: Optional[str] = None,
              prefill_eviction: Optional[str] = "after") -> list[dict[str, Any]]:
-    """``stock`` first, then every policy at every ratio: ``{name, policy, budget_ratio, vtoken}``
-    (``vtoken``: the ``--additional-config`` value's ``vtoken`` key, None for stock)."""
-    arms: list[dict[str, Any]] = [dict(name="stock", policy=None, budget_ratio=None, vtoken=None)]
+    """``stock`` first, then every policy at every ratio: ``{name, policy, budget_ratio, server, fields}``.
+
+    ``server``: the ``vllm serve`` the arm runs against, one per engine-only setting (``stock``, or
+    ``vtoken-<prefill_eviction>``); ``fields``: the per-request fields the lm-eval model
+    ``vtoken-completions`` turns into each request's ``vllm_xargs`` (:func:`request_xargs`). Arms that
+    differ only in per-request fields (policy, budget, token sets) share their server."""
+    arms: list[dict[str, Any]] = [dict(name="stock", policy=None, budget_ratio=None, server="stock", fields={})]
     for p in policies:
         for r in ratios:
-            vt: dict[str, Any] = {"policy": p, "budget_ratio": r}
+            f: dict[str, Any] = {"policy": p, "budget_ratio": r}
             if granularity:
-                vt["granularity"] = granularity
+                f["granularity"] = granularity
+            arms.append(dict(name=f"{p}-{r * 100:g}pct", policy=p, budget_ratio=r,
+                             server=f"vtoken-{prefill_eviction or 'default'}", fields=f))
+    return arms
+
+
+def server_configs(arms: Iterable[dict[str, Any]], prefill_eviction: Optional[str] = "after"
+                   ) -> dict[str, Optional[dict[str, Any]]]:
+    """The ``--additional-config`` of each server the arms need (None: stock, no ``vtoken`` key).
+
+    A vToken server carries only the engine-only settings (``prefill_eviction``) and a policy for
+    requests without overrides (the first arm's); every arm's policy and budget come per request."""
+    out: dict[str, Optional[dict[str, Any]]] = {}
+    for a in arms:
+        if a["server"] in out:
+            continue
+        if a["server"] == "stock":
+            out["stock"] = None
+        else:
+            vt: dict[str, Any] = {"policy": a["policy"]}
             if prefill_eviction:
                 vt["prefill_eviction"] = prefill_eviction
-            arms.append(dict(name=f"{p}-{r * 100:g}pct", policy=p, budget_ratio=r, vtoken=vt))
-    return arms
+            out[a["server"]] = {"vtoken": vt}
+    return out
+
+
+def effective_settings(server_config: Optional[dict[str, Any]], policy: Optional[str]) -> dict[str, Any]:
+    """What vToken applies to a request of ``policy`` on a server started with ``server_config``
+    (``RequestOverrides.apply`` on the engine config): granularity, prefill_eviction, slack; {} for stock."""
+    if not server_config or not policy:
+        return {}
+    from vtoken.config import RequestOverrides, parse_config
+
+    eff = RequestOverrides(vtoken_policy=policy).apply(parse_config(server_config["vtoken"]))
+    return dict(granularity=eff.resolved_granularity(), prefill_eviction=eff.prefill_eviction or "chunks",
+                slack=eff.resolved_slack())
+
+
+def request_xargs(prompt_ids: Any, policy: Optional[str] = None, budget_ratio: Optional[float] = None,
+                  budget: Optional[int] = None, granularity: Optional[str] = None,
+                  enable: Optional[bool] = None) -> dict[str, Any]:
+    """The ``vllm_xargs`` of one request: ``vtoken_policy``, ``vtoken_budget`` (``budget``, or
+    ``budget_ratio`` of this request's prompt tokens: :func:`budget_tokens`, what the engine's
+    ``budget_ratio`` gives), ``vtoken_granularity``, ``vtoken_enable``; empty without fields.
+    ``prompt_ids``: the request's prompt token ids (needed only with ``budget_ratio``)."""
+    x: dict[str, Any] = {}
+    if enable is not None:
+        x["vtoken_enable"] = bool(enable)
+    if policy:
+        x["vtoken_policy"] = str(policy)
+    if budget_ratio is not None:
+        if budget is not None:
+            raise ValueError("give budget or budget_ratio, not both")
+        if not isinstance(prompt_ids, list) or not all(isinstance(t, int) for t in prompt_ids):
+            raise ValueError("budget_ratio needs the prompt as token ids (lm-eval tokenized_requests=True)")
+        x["vtoken_budget"] = budget_tokens(float(budget_ratio), len(prompt_ids))
+    elif budget is not None:
+        x["vtoken_budget"] = int(budget)
+    if granularity:
+        x["vtoken_granularity"] = str(granularity)
+    return x
 
 
 def budget_tokens(ratio: float, prompt_tokens: int) -> int:
@@ -167,15 +227,42 @@ def add_kv_fractions(cells: list[dict[str, Any]]) -> None:
 
 
 def lm_eval_argv(python: str, task: str, length: int, port: int, tokenizer: str, limit: int, out_dir: str,
-                 max_length: int, concurrency: int, seed: int = 0) -> list[str]:
-    """The ``lm_eval run`` command of one cell against the server on ``port``."""
-    model_args = ",".join([
+                 max_length: int, concurrency: int, seed: int = 0, fields: Optional[dict[str, Any]] = None,
+                 xargs_log: Optional[str] = None) -> list[str]:
+    """The ``lm_eval run`` command of one cell against the server on ``port``: lm-eval's command line
+    with the ``vtoken-completions`` model (:mod:`lm_eval_vtoken`, ``local-completions`` plus each
+    request's ``vllm_xargs`` from ``fields``; without fields it sends what ``local-completions`` does)."""
+    model_args = [
         "model=smollm2", f"base_url=http://127.0.0.1:{port}/v1/completions", f"tokenizer={tokenizer}",
         "tokenizer_backend=huggingface", "tokenized_requests=True", f"num_concurrent={concurrency}",
-        f"max_length={max_length}", "max_retries=1", "timeout=1200"])
-    return [python, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
+        f"max_length={max_length}", "max_retries=1", "timeout=1200"]
+    model_args += [f"vtoken_{k}={v}" for k, v in (fields or {}).items()]
+    if xargs_log:
+        model_args.append(f"xargs_log={xargs_log}")
+    return [python, str(HERE / "lm_eval_vtoken.py"), "run", "--model", "vtoken-completions",
+            "--model_args", ",".join(model_args),
             "--tasks", task, "--metadata", json.dumps({"max_seq_lengths": [length]}), "--apply_chat_template",
             "--limit", str(limit), "--log_samples", "--output_path", out_dir, "--seed", str(seed)]
+
+
+def xargs_summary(lines: Iterable[str]) -> dict[str, Any]:
+    """From the ``xargs_log`` of a cell: ``requests``, ``mean_prompt_tokens``, ``mean_budget_tokens``
+    (None without budgets) and the distinct ``vtoken_policy`` values sent."""
+    rows = [json.loads(x) for x in lines if x.strip()]
+    budgets = [r["vllm_xargs"]["vtoken_budget"] for r in rows if "vtoken_budget" in r["vllm_xargs"]]
+    prompts = [r["prompt_tokens"] for r in rows if r.get("prompt_tokens") is not None]
+    return dict(requests=len(rows), mean_prompt_tokens=sum(prompts) / len(prompts) if prompts else None,
+                mean_budget_tokens=sum(budgets) / len(budgets) if budgets else None,
+                policies=sorted({r["vllm_xargs"]["vtoken_policy"] for r in rows if "vtoken_policy" in r["vllm_xargs"]}))
+
+
+def same_answers(new: list[tuple[str, list[str]]], old: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """Answer-by-answer comparison of two runs of the same documents (lm-eval's ``--limit`` takes the
+    first documents, so the shorter run's are the longer run's first): ``compared`` (the shorter
+    length), ``equal`` (same answer), ``same_refs`` (same references: the documents match)."""
+    n = min(len(new), len(old))
+    return dict(compared=n, equal=sum(new[i][0] == old[i][0] for i in range(n)),
+                same_refs=sum(new[i][1] == old[i][1] for i in range(n)))
 
 
 def lm_eval_reported(results: dict[str, Any], task: str, length: int) -> Optional[float]:
@@ -211,22 +298,52 @@ def offline_env() -> dict[str, str]:
                 HF_ALLOW_CODE_EVAL="0", TOKENIZERS_PARALLELISM="false")
 
 
+class _ServerUse:
+    """Which cells ran alone on a server (their ``/metrics`` deltas are theirs alone)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.active: dict[str, int] = {}
+        self.started: dict[str, int] = {}
+
+    def enter(self, server: str) -> tuple[bool, int]:
+        with self.lock:
+            alone = self.active.get(server, 0) == 0
+            self.active[server] = self.active.get(server, 0) + 1
+            self.started[server] = self.started.get(server, 0) + 1
+            return alone, self.started[server]
+
+    def leave(self, server: str, alone: bool, epoch: int) -> bool:
+        with self.lock:
+            self.active[server] -= 1
+            return alone and self.started[server] == epoch
+
+
 def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length: int, model: str,
-             workdir: Path) -> dict[str, Any]:
+             workdir: Path, use: Optional[_ServerUse] = None) -> dict[str, Any]:
     out_dir = workdir / f"{arm['name']}_{task}_{length}"
+    xlog = workdir / f"{arm['name']}_{task}_{length}.xargs.jsonl"
     argv = lm_eval_argv(sys.executable, task, length, srv.port, model, a.limit, str(out_dir), a.max_model_len,
-                        a.concurrency, a.seed)
+                        a.concurrency, a.seed, fields=arm["fields"], xargs_log=str(xlog))
+    use = use or _ServerUse()
+    alone, epoch = use.enter(arm["server"])
     before = srv.metrics()
     load_before = list(os.getloadavg())
     t0 = time.time()
     env = dict(os.environ, **offline_env())
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=a.cell_timeout, cwd=str(workdir), env=env)
-    wall = round(time.time() - t0, 1)
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=a.cell_timeout, cwd=str(workdir), env=env)
+        wall = round(time.time() - t0, 1)
+        load_after = list(os.getloadavg())
+        time.sleep(1.0)  # the last request's histogram observation reaches /metrics
+        after = srv.metrics()
+    finally:
+        alone = use.leave(arm["server"], alone, epoch)
     (out_dir.parent / f"{out_dir.name}.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
         raise RuntimeError(f"lm_eval failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    time.sleep(1.0)  # the last request's histogram observation reaches /metrics
-    after = srv.metrics()
     sfiles = sorted(glob.glob(str(out_dir / "**" / f"samples_{task}_*.jsonl"), recursive=True))
     rfiles = sorted(glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True))
     if not sfiles:
@@ -234,14 +351,61 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
     samples = samples_from_jsonl(Path(sfiles[-1]).read_text().splitlines())
     acc = accuracy(samples)
     reported = lm_eval_reported(json.loads(Path(rfiles[-1]).read_text()), task, length) if rfiles else None
-    kv = kv_kept(metric_delta(before, after, KV_METRICS), a.block_size)
-    return dict(arm=arm["name"], policy=arm["policy"], budget_ratio=arm["budget_ratio"],
-                budget_tokens=(budget_tokens(arm["budget_ratio"], round(kv["mean_prompt_tokens"]))
-                               if arm["budget_ratio"] and kv["mean_prompt_tokens"] else None),
-                task=task, length=length, **acc, lm_eval_accuracy=reported, kv=kv,
+    sent = xargs_summary(xlog.read_text().splitlines() if xlog.exists() else [])
+    if alone:
+        kv = dict(kv_kept(metric_delta(before, after, KV_METRICS), a.block_size), source="/metrics delta of the cell")
+    else:  # other cells shared the server meanwhile: the budget each request was sent
+        kept = sent["mean_budget_tokens"]
+        kv = dict(requests=sent["requests"], mean_prompt_tokens=sent["mean_prompt_tokens"], mean_kept_tokens=kept,
+                  mean_kept_blocks=None if kept is None else kept / a.block_size, mean_peak_blocks=None,
+                  source="budget sent (vllm_xargs.vtoken_budget); the server's /metrics total is checked against "
+                         "the sum in servers[].kv_check")
+    cell = dict(arm=arm["name"], policy=arm["policy"], budget_ratio=arm["budget_ratio"], server=arm["server"],
+                budget_tokens=sent["mean_budget_tokens"], task=task, length=length, **acc,
+                lm_eval_accuracy=reported, kv=kv, xargs_sent=sent, alone_on_server=alone,
                 examples=[dict(answer=s[0][:200], refs=s[1]) for s in samples[:2]],
-                wall_s=wall, load_before=load_before, load_after=list(os.getloadavg()),
+                wall_s=wall, load_before=load_before, load_after=load_after,
                 command=" ".join(shlex.quote(x) for x in argv))
+    cell["_samples"] = samples
+    return cell
+
+
+def probe_overrides(srv, arm: dict[str, Any], prompt_tokens: int = 800, max_tokens: int = 4) -> dict[str, Any]:
+    """One request of the arm alone on its server (token-id prompt, greedy, ``ignore_eos``), with the
+    ``/metrics`` delta around it: the server-side proof that the per-request budget took effect
+    (``kept`` = prompt + generated - evicted must be the ``vtoken_budget`` sent plus at most 2: with
+    slack 0 the live tokens are cut to the budget at each decode step, the step's token is added to
+    them, and the last sampled token, counted as generated, never enters the cache)."""
+    ids = [100 + (7 * i) % 20000 for i in range(prompt_tokens)]
+    xargs = request_xargs(ids, **arm["fields"])
+    names = KV_METRICS + ("vtoken:evictions_total", "vtoken:request_faults_total")
+    before = srv.metrics()
+    r = srv.post("/v1/completions", dict(model="smollm2", prompt=ids, max_tokens=max_tokens, temperature=0,
+                                         ignore_eos=True, vllm_xargs=xargs), timeout=600)
+    r.raise_for_status()
+    time.sleep(1.0)
+    d = metric_delta(before, srv.metrics(), names)
+    kept = (d["vllm:request_prompt_tokens_sum"] + d["vllm:request_generation_tokens_sum"]
+            - d["vtoken:evicted_tokens_total"])
+    b = xargs.get("vtoken_budget")
+    return dict(arm=arm["name"], vllm_xargs=xargs, prompt_tokens=prompt_tokens,
+                generated=d["vllm:request_generation_tokens_sum"], evicted=d["vtoken:evicted_tokens_total"],
+                evictions=d["vtoken:evictions_total"], faults=d["vtoken:request_faults_total"], kept=kept,
+                ok=b is not None and b <= kept <= b + 2 and d["vtoken:request_faults_total"] == 0)
+
+
+def server_kv_check(before: dict[str, float], after: dict[str, float], cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The server's measured tokens held at the end of its requests, summed over a phase,
+    ``prompt + generated - evicted`` (``/metrics``), against the sum of the budgets its cells sent."""
+    d = metric_delta(before, after, KV_METRICS)
+    measured = (d["vllm:request_prompt_tokens_sum"] + d["vllm:request_generation_tokens_sum"]
+                - d["vtoken:evicted_tokens_total"])
+    sent = sum(c["xargs_sent"]["mean_budget_tokens"] * c["xargs_sent"]["requests"] for c in cells
+               if c["xargs_sent"]["mean_budget_tokens"] is not None)
+    return dict(requests=int(d["vllm:request_prompt_tokens_count"]),
+                requests_sent=sum(c["xargs_sent"]["requests"] for c in cells),
+                measured_kept_tokens_sum=measured, budget_tokens_sum=sent,
+                measured_over_budget=measured / sent if sent else None)
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -305,6 +469,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-bytes", type=int, default=512 << 20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cell-timeout", type=int, default=3600)
+    ap.add_argument("--parallel", type=int, default=0,
+                    help="cells (lm-eval runs) at once across the servers (default 0: all of them)")
+    ap.add_argument("--compare-with", nargs="*", default=None,
+                    help="work directories of earlier runs (one server per arm): answers compared sample by sample")
     ap.add_argument("--name", default=None, help="result name (default tasks; --small: tasks_smoke)")
     a = ap.parse_args(argv)
     preset = SMALL if a.small else dict(tasks=TASKS, lengths=LENGTHS, policies=POLICIES, ratios=RATIOS,
@@ -330,37 +498,84 @@ def main(argv: Optional[list[str]] = None) -> int:
         settings=dict(model=a.model, prefix_caching=False, tasks=a.tasks, lengths=a.lengths, limit=a.limit,
                       policies=a.policies, budget_ratios=a.ratios, granularity=a.granularity or "policy default",
                       prefill_eviction=a.prefill_eviction, concurrency=a.concurrency, seed=a.seed,
-                      chat_template=True, greedy=True, lm_eval_model="local-completions",
+                      chat_template=True, greedy=True, parallel=a.parallel or "all cells",
+                      lm_eval_model="vtoken-completions (local-completions + vllm_xargs per request)",
                       scorer="fraction of reference strings in the answer (RULER string_match_all)"),
         server=dict(args=server_args(a)), left_out=LEFT_OUT, arms=[], cells=[])
-    total = len(arms) * len(a.tasks) * len(a.lengths)
-    k = 0
+    cfgs = server_configs(arms, a.prefill_eviction)
+    doc["servers"] = {}
+    cells_todo = [(arm, task, length) for arm in arms for task in a.tasks for length in a.lengths]
+    total = len(cells_todo)
     t_start = time.time()
-    for arm in arms:
-        log = workdir / f"server_{arm['name']}.log"
-        vt = None if arm["vtoken"] is None else {"vtoken": arm["vtoken"]}
-        srv = start_server(a.model, log, server_args(a), vt, cli=True, env=dict(OMP_NUM_THREADS="2"), cwd=ROOT)
-        try:
-            srv.wait_healthy(900)
-            resolved = vtoken_line(srv.log())
-            doc["arms"].append(dict(arm, startup_s=round(srv.startup_s or 0, 1), resolved=resolved,
-                                    server_command=" ".join(shlex.quote(x) for x in srv.argv)))
-            for task in a.tasks:
-                for length in a.lengths:
+    servers: dict[str, Any] = {}
+    use = _ServerUse()
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    done_lock = threading.Lock()
+    try:
+        # every server starts at once; each is used by every arm that needs only per-request fields
+        for name, cfg in cfgs.items():
+            servers[name] = start_server(a.model, workdir / f"server_{name}.log", server_args(a), cfg, cli=True,
+                                         env=dict(OMP_NUM_THREADS="2"), cwd=ROOT)
+        for name, srv in servers.items():
+            srv.wait_healthy(1200)
+            doc["servers"][name] = dict(additional_config=cfgs[name], startup_s=round(srv.startup_s or 0, 1),
+                                        started_with=sorted(cfgs), resolved=vtoken_line(srv.log()),
+                                        command=" ".join(shlex.quote(x) for x in srv.argv),
+                                        arms=[x["name"] for x in arms if x["server"] == name])
+            print(f"server {name} healthy in {srv.startup_s:.0f} s", flush=True)
+        t_ready = time.time()
+        doc["servers_ready_s"] = round(t_ready - t_start, 1)
+        probes = [probe_overrides(servers[x["server"]], x) for x in arms if x["server"] != "stock"]
+        doc["probes"] = probes
+        for pr in probes:
+            print(f"probe {pr['arm']}: sent {pr['vllm_xargs']}, kept {pr['kept']} (evicted {pr['evicted']}, faults "
+                  f"{pr['faults']}): {'ok' if pr['ok'] else 'NOT THE BUDGET SENT'}", flush=True)
+        if not all(pr["ok"] for pr in probes):
+            raise RuntimeError("a per-request override did not take effect on the server (see the probes)")
+        phase_before = {n: srv.metrics() for n, srv in servers.items()}
+        t_cells = time.time()
+        k = 0
+
+        def one(item):
+            arm, task, length = item
+            return run_cell(a, servers[arm["server"]], arm, task, length, a.model, workdir, use)
+
+        with ThreadPoolExecutor(max_workers=a.parallel or total) as ex:
+            futs = [ex.submit(one, it) for it in cells_todo]
+            for f in as_completed(futs):
+                c = f.result()
+                eff = effective_settings(cfgs[c["server"]], c["policy"])
+                c.update(granularity=eff.get("granularity"), prefill_eviction=eff.get("prefill_eviction"),
+                         slack=eff.get("slack"))
+                with done_lock:
                     k += 1
-                    c = run_cell(a, srv, arm, task, length, a.model, workdir)
-                    c["granularity"] = resolved.get("granularity")
-                    c["prefill_eviction"] = resolved.get("prefill_eviction")
-                    c["slack"] = resolved.get("slack")
                     doc["cells"].append(c)
-                    kv = c["kv"]
-                    print(f"[{k}/{total}] {arm['name']:>14} {task} {length}: accuracy {c['accuracy']:.3f} "
-                          f"({c['correct']}/{c['n']}; lm-eval {c['lm_eval_accuracy']}), kept tokens "
-                          f"{kv['mean_kept_tokens']}, peak blocks {kv['mean_peak_blocks']}, {c['wall_s']} s, "
-                          f"load {c['load_before'][0]:.2f}", flush=True)
-                    (RESULTS / f"{a.name}.partial.json").write_text(json.dumps(doc, indent=1))
-        finally:
+                kv = c["kv"]
+                print(f"[{k}/{total}] {c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} "
+                      f"({c['correct']}/{c['n']}; lm-eval {c['lm_eval_accuracy']}), kept tokens "
+                      f"{kv['mean_kept_tokens']}, {c['wall_s']} s, load {c['load_before'][0]:.2f}-"
+                      f"{c['load_after'][0]:.2f}", flush=True)
+        doc["cells_wall_s"] = round(time.time() - t_cells, 1)
+        for n, srv in servers.items():
+            mine = [c for c in doc["cells"] if c["server"] == n]
+            doc["servers"][n]["kv_check"] = server_kv_check(phase_before[n], srv.metrics(), mine)
+    finally:
+        for srv in servers.values():
             srv.close()
+    order = {x["name"]: i for i, x in enumerate(arms)}
+    doc["cells"].sort(key=lambda c: (order[c["arm"]], c["task"], c["length"]))
+    doc["arms"] = [dict(x, server_config=cfgs[x["server"]]) for x in arms]
+    for ref in a.compare_with or []:
+        for c in doc["cells"]:
+            old = sorted(glob.glob(str(Path(ref) / f"{c['arm']}_{c['task']}_{c['length']}" / "**"
+                                       / f"samples_{c['task']}_*.jsonl"), recursive=True))
+            if old:
+                cmp = same_answers(c["_samples"], samples_from_jsonl(Path(old[-1]).read_text().splitlines()))
+                c.setdefault("same_as_one_server_per_arm", []).append(dict(cmp, reference=old[-1]))
+    for c in doc["cells"]:
+        c.pop("_samples", None)
     add_kv_fractions(doc["cells"])
     doc["loadavg_after"] = list(os.getloadavg())
     doc["total_wall_s"] = round(time.time() - t_start, 1)

@@ -72,22 +72,63 @@ def test_arm_list_is_stock_then_every_policy_at_every_ratio():
     arms = bt.arm_list(["h2o", "tova"], bt.RATIOS)
     assert [a["name"] for a in arms] == ["stock", "h2o-12.5pct", "h2o-25pct", "h2o-50pct",
                                          "tova-12.5pct", "tova-25pct", "tova-50pct"]
-    assert arms[0] == dict(name="stock", policy=None, budget_ratio=None, vtoken=None)
-    assert arms[1]["vtoken"] == {"policy": "h2o", "budget_ratio": 0.125, "prefill_eviction": "after"}
-    assert bt.arm_list(["h2o"], [0.25], granularity="layer", prefill_eviction=None)[1]["vtoken"] == \
-        {"policy": "h2o", "budget_ratio": 0.25, "granularity": "layer"}
+    assert arms[0] == dict(name="stock", policy=None, budget_ratio=None, server="stock", fields={})
+    assert arms[1]["fields"] == {"policy": "h2o", "budget_ratio": 0.125}
+    # every vToken arm shares one server: its fields travel per request
+    assert {a["server"] for a in arms[1:]} == {"vtoken-after"}
+    assert bt.arm_list(["h2o"], [0.25], granularity="layer", prefill_eviction="chunks")[1] == dict(
+        name="h2o-25pct", policy="h2o", budget_ratio=0.25, server="vtoken-chunks",
+        fields={"policy": "h2o", "budget_ratio": 0.25, "granularity": "layer"})
 
 
-def test_every_arm_config_is_accepted_by_vtoken_and_budgets_match_its_arithmetic():
-    from vtoken.config import effective_budget, parse_config
+def test_server_configs_one_stock_and_one_vtoken_server_per_engine_only_setting():
+    arms = bt.arm_list(bt.POLICIES, bt.RATIOS)
+    assert bt.server_configs(arms) == {"stock": None,
+                                       "vtoken-after": {"vtoken": {"policy": "h2o", "prefill_eviction": "after"}}}
+    chunks = bt.arm_list(["snapkv"], [0.5], prefill_eviction="chunks")
+    assert bt.server_configs(chunks, "chunks")["vtoken-chunks"] == {"vtoken": {"policy": "snapkv",
+                                                                               "prefill_eviction": "chunks"}}
 
-    for arm in bt.arm_list(bt.POLICIES, bt.RATIOS)[1:]:
-        cfg = parse_config(arm["vtoken"])
+
+def test_request_xargs_turns_the_ratio_into_each_prompts_budget():
+    assert bt.request_xargs(list(range(868)), policy="h2o", budget_ratio=0.125) == {"vtoken_policy": "h2o",
+                                                                                  "vtoken_budget": 109}
+    assert bt.request_xargs(list(range(1893)), policy="snapkv", budget_ratio=0.5,
+                            granularity="layer") == {"vtoken_policy": "snapkv", "vtoken_budget": 947,
+                                                     "vtoken_granularity": "layer"}
+    assert bt.request_xargs("text", policy="tova", budget=64) == {"vtoken_policy": "tova", "vtoken_budget": 64}
+    assert bt.request_xargs([1, 2, 3]) == {}  # stock: nothing added
+    assert bt.request_xargs([1], enable=False) == {"vtoken_enable": False}
+    with pytest.raises(ValueError):
+        bt.request_xargs("a string prompt", policy="h2o", budget_ratio=0.25)  # a ratio needs token ids
+    with pytest.raises(ValueError):
+        bt.request_xargs([1, 2], budget=4, budget_ratio=0.5)
+
+
+def test_per_request_fields_on_the_shared_server_give_each_arms_own_engine_config():
+    """What one server per arm applied (``--additional-config`` with the arm's policy and budget_ratio)
+    equals what the shared server applies to the arm's request (the engine config + the request's
+    vllm_xargs): budget, policy, token sets, slack and prefill_eviction, for every policy and ratio."""
+    from vtoken.config import RequestOverrides, effective_budget, parse_config
+
+    arms = bt.arm_list(bt.POLICIES, bt.RATIOS)
+    shared = parse_config(bt.server_configs(arms)["vtoken-after"]["vtoken"])
+    for arm in arms[1:]:
+        own = parse_config({"policy": arm["policy"], "budget_ratio": arm["budget_ratio"], "prefill_eviction": "after"})
         for prompt in (868, 1024, 1893, 30):
-            if effective_budget(cfg, prompt) == bt.budget_tokens(arm["budget_ratio"], prompt):
-                continue
-            # only where the policy's sinks + recent tokens raise a tiny budget
-            assert prompt == 30, (arm, prompt)
+            ov = RequestOverrides(**bt.request_xargs(list(range(prompt)), **arm["fields"]))
+            eff = ov.apply(shared)
+            assert eff.policy == own.policy and eff.policy_args == own.policy_args == {}
+            assert eff.resolved_granularity() == own.resolved_granularity()
+            assert eff.prefill_eviction == own.prefill_eviction == "after"
+            b = effective_budget(eff, prompt)
+            assert eff.resolved_slack() == own.resolved_slack() == 0
+            if b != effective_budget(own, prompt):
+                # only where the policy's sinks + recent tokens raise a tiny budget
+                assert prompt == 30, (arm, prompt)
+        assert bt.effective_settings(bt.server_configs(arms)["vtoken-after"], arm["policy"]) == dict(
+            granularity=own.resolved_granularity(), prefill_eviction="after", slack=0)
+    assert bt.effective_settings(None, None) == {}
 
 
 @pytest.mark.parametrize("ratio, prompt, want", [(0.125, 868, 109), (0.25, 868, 217), (0.5, 868, 434),
@@ -151,12 +192,75 @@ def test_vtoken_log_line():
 
 def test_lm_eval_command():
     argv = bt.lm_eval_argv("py", "ruler_vt", 2048, 8000, "/m", 20, "/o", 2560, 4)
-    assert argv[:5] == ["py", "-m", "lm_eval", "run", "--model"] and argv[5] == "local-completions"
+    assert argv[0] == "py" and argv[1].endswith("benchmarks/lm_eval_vtoken.py") and argv[2] == "run"
+    assert argv[argv.index("--model") + 1] == "vtoken-completions"
     args = dict(kv.split("=", 1) for kv in argv[argv.index("--model_args") + 1].split(","))
     assert args["base_url"] == "http://127.0.0.1:8000/v1/completions" and args["tokenizer"] == "/m"
     assert args["tokenized_requests"] == "True" and args["max_length"] == "2560"
+    assert not any(k.startswith("vtoken_") for k in args)  # stock: local-completions' payload
     assert json.loads(argv[argv.index("--metadata") + 1]) == {"max_seq_lengths": [2048]}
     assert "--apply_chat_template" in argv and argv[argv.index("--limit") + 1] == "20"
+    argv = bt.lm_eval_argv("py", "ruler_vt", 2048, 8000, "/m", 20, "/o", 2560, 4,
+                           fields={"policy": "snapkv", "budget_ratio": 0.125}, xargs_log="/x.jsonl")
+    args = dict(kv.split("=", 1) for kv in argv[argv.index("--model_args") + 1].split(","))
+    assert args["vtoken_policy"] == "snapkv" and args["vtoken_budget_ratio"] == "0.125"
+    assert args["xargs_log"] == "/x.jsonl"
+
+
+def test_xargs_summary_same_answers_and_the_server_kv_check():
+    lines = [json.dumps(dict(prompt_tokens=868, vllm_xargs={"vtoken_policy": "h2o", "vtoken_budget": 109})),
+             json.dumps(dict(prompt_tokens=880, vllm_xargs={"vtoken_policy": "h2o", "vtoken_budget": 110})), ""]
+    sent = bt.xargs_summary(lines)
+    assert sent == dict(requests=2, mean_prompt_tokens=874.0, mean_budget_tokens=109.5, policies=["h2o"])
+    assert bt.xargs_summary([json.dumps(dict(prompt_tokens=5, vllm_xargs={}))])["mean_budget_tokens"] is None
+    new = [(" 1.", ["1"]), (" 2.", ["2"]), (" 3.", ["3"])]
+    assert bt.same_answers(new, [(" 1.", ["1"]), (" 9.", ["2"])]) == dict(compared=2, equal=1, same_refs=2)
+    cells = [dict(xargs_sent=sent), dict(xargs_sent=dict(requests=1, mean_budget_tokens=None))]
+    before = {"vllm:request_prompt_tokens_sum": 10.0, "vllm:request_prompt_tokens_count": 1.0}
+    after = {"vllm:request_prompt_tokens_sum": 10.0 + 868 + 880 + 5, "vllm:request_prompt_tokens_count": 4.0,
+             "vllm:request_generation_tokens_sum": 30.0, "vtoken:evicted_tokens_total": 868 + 880 + 30 - 219.0}
+    chk = bt.server_kv_check(before, after, cells)
+    assert chk == dict(requests=3, requests_sent=3, measured_kept_tokens_sum=224.0, budget_tokens_sum=219.0,
+                       measured_over_budget=224.0 / 219.0)
+
+
+def test_server_use_tells_which_cells_ran_alone():
+    use = bt._ServerUse()
+    a = use.enter("s")
+    assert use.leave("s", *a) is True  # nothing else on "s" meanwhile
+    a, b = use.enter("s"), use.enter("s")  # overlapping
+    c = use.enter("stock")
+    assert use.leave("s", *a) is False and use.leave("s", *b) is False and use.leave("stock", *c) is True
+    a = use.enter("s")
+    b = use.enter("s")
+    assert use.leave("s", *b) is False
+    assert use.leave("s", *a) is False  # another cell started while it ran
+
+
+def test_vtoken_completions_payload_carries_the_requests_xargs(tmp_path):
+    """lm-eval's generation payload of ``vtoken-completions`` (lm_eval_vtoken.py) gets vllm_xargs, with
+    the budget from this request's own prompt tokens; log-likelihood payloads are left alone."""
+    pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -e '.[tasks]')")
+    import lm_eval_vtoken as lv
+    from lm_eval.api.registry import get_model
+
+    assert get_model("vtoken-completions") is lv.VTokenCompletions
+    m = object.__new__(lv.VTokenCompletions)  # no tokenizer, no server: only the payload
+    m.model, m._max_gen_toks = "smollm2", 256
+    m.vtoken_fields = dict(policy="snapkv", budget_ratio=0.25, budget=None, granularity=None, enable=None)
+    m.xargs_log = str(tmp_path / "x.jsonl")
+    gk = {"do_sample": False, "temperature": 0.0, "max_gen_toks": 128, "until": []}
+    p = m._create_payload([list(range(868))], generate=True, gen_kwargs=dict(gk), seed=0)
+    assert p["vllm_xargs"] == {"vtoken_policy": "snapkv", "vtoken_budget": 217}
+    assert p["prompt"] == [list(range(868))] and p["max_tokens"] == 128 and p["temperature"] == 0.0
+    p = m._create_payload([list(range(100))], generate=True, gen_kwargs=dict(gk), seed=0)
+    assert p["vllm_xargs"]["vtoken_budget"] == 25
+    assert "vllm_xargs" not in m._create_payload([list(range(10))], generate=False)
+    assert bt.xargs_summary((tmp_path / "x.jsonl").read_text().splitlines()) == dict(
+        requests=2, mean_prompt_tokens=484.0, mean_budget_tokens=121.0, policies=["snapkv"])
+    m.vtoken_fields = dict(policy=None, budget_ratio=None, budget=None, granularity=None, enable=None)
+    m.xargs_log = None
+    assert "vllm_xargs" not in m._create_payload([list(range(10))], generate=True, gen_kwargs=dict(gk))
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -229,3 +333,23 @@ def test_benchmarks_readme_budget_slice_figures_equal_the_result():
             f"load {min(loads):.1f}-{max(loads):.1f}): stock {c['stock']}; at 12.5 % H2O {c['h2o-12.5pct']}, SnapKV {c['snapkv-12.5pct']}; "
             f"at 50 % H2O {c['h2o-50pct']}, SnapKV {c['snapkv-50pct']}.")
     assert want in text
+
+
+def test_benchmarks_readme_one_server_smoke_equals_the_per_arm_servers():
+    """The smoke with every vToken arm sent per request to one server scores as the smoke with one
+    server per arm (same accuracy, same logged answers), and the README's figures are the file's."""
+    p, q = (ROOT / "benchmarks" / "results" / f"{n}.json" for n in ("tasks_smoke_oneserver", "tasks_smoke"))
+    if not (p.exists() and q.exists()):
+        pytest.skip("the two smoke results are not committed")
+    new, old = json.loads(p.read_text()), json.loads(q.read_text())
+    assert [(c["arm"], c["correct"], c["n"], c["examples"]) for c in new["cells"]] == \
+        [(c["arm"], c["correct"], c["n"], c["examples"]) for c in old["cells"]]
+    assert {c["server"] for c in new["cells"] if c["policy"]} == {"vtoken-after"} and all(x["ok"] for x in new["probes"])
+    chk = new["servers"]["vtoken-after"]["kv_check"]
+    sent = {c["kv"]["mean_kept_tokens"] for c in new["cells"] if c["policy"]}
+    text = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    assert (f"`{new['command']}` -> `results/tasks_smoke_oneserver.json`) gives the same scores and the same answers "
+            f"in the two samples each JSON keeps, {sent.pop()} tokens sent and "
+            f"{chk['measured_kept_tokens_sum'] / chk['requests']} measured per request (`kv_check`), in "
+            f"{new['total_wall_s']:.0f} s instead of {old['total_wall_s']:.0f} s.") in text
+    assert not sent
