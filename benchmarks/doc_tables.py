@@ -9,6 +9,7 @@ files and checks the docs agree. To refresh the docs after a new run:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -566,17 +567,34 @@ def model_families_table(name: str = "model_families.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-def model_families_line(name: str = "model_families.json") -> str:
-    """README.md: the families whose every request matched the oracle on every path, and the refused ones."""
+def _short_refusal(text: str) -> str:
+    """A refusal's reason in a few words: the part in parentheses after "does not support it yet",
+    up to its first parenthesis or semicolon (the feature, not the explanation)."""
+    inner = text.split("does not support it yet (", 1)[-1]
+    if inner.startswith("Expected Attention"):  # "...; the model's config: <what>)": the what
+        inner = inner.rsplit("; ", 1)[-1].rsplit(": ", 1)[-1]
+    return re.split(r" \(|; ", inner, maxsplit=1)[0].rstrip(")")
+
+
+def model_families_readme_table(name: str = "model_families.json") -> str:
+    """README.md: per model family, whether every request's tokens equal the dense oracle's on each
+    execution path (H2O and K-norm, head and request sets), and Expected Attention's status; a
+    refusal in a few words (docs/models.md has the full table)."""
     d = _load(name)
-    fams = d["families"].values()
-    exact = [f["label"] for f in fams if all(r["status"] == "exact" for r in f["paths"].values())]
-    refused = [f["label"] for f in fams if any(r["status"] == "refused" for r in f["paths"].values())]
-    other = [f["label"] for f in fams if f["label"] not in exact + refused]
-    line = f"Model families, tokens = the dense oracle's: {', '.join(exact)}"
-    if other:
-        line += f"; not yet: {', '.join(other)}"
-    return line + f"; refused by name: {', '.join(refused) if refused else 'none'} ([`docs/models.md`](docs/models.md)).\n"
+    rows = ["| family | " + " | ".join(h for _, h in FAMILY_PATHS) + " | Expected Attention |",
+            "|---|" + "---|" * (len(FAMILY_PATHS) + 1)]
+    for f in d["families"].values():
+        cells = []
+        for p, _ in FAMILY_PATHS:
+            r = f["paths"].get(p)
+            cells.append("-" if r is None else r["status"] if r["status"] != "refused"
+                         else f"refused: {_short_refusal(r['refusal'])}")
+        first = next(iter(f["paths"].values()))
+        ea = f.get("expected_attention_refusal")
+        cells.append(f"refused: {_short_refusal(ea)}" if ea else
+                     first["status"] if "expected_attention-head" in first.get("first_diff", {}) else "-")
+        rows.append(f"| {f['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
 
 
 def worker_step_table(name: str = "bench_worker_step.json") -> str:
@@ -612,7 +630,8 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "concurrency_chunks_table": concurrency_chunks_table, "quality_prefill_table": quality_prefill_table,
           "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,
           "sla_pick_table": sla_pick_table,
-          "model_families_table": model_families_table, "model_families_line": model_families_line,
+          "model_families_table": model_families_table,
+          "model_families_readme_table": model_families_readme_table,
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
           "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),

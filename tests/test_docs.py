@@ -169,12 +169,13 @@ def test_readme_sla_tables_are_generated_from_results(name):
 
 
 def test_model_family_tables_are_generated_from_the_matrix():
-    """docs/models.md's table and README's families line come from benchmarks/results/model_families.json
+    """docs/models.md's table and README's families table come from benchmarks/results/model_families.json
     (``python -m drivers.model_families``; tests/integration/test_model_families.py checks its rows)."""
     doc_tables = _doc_tables()
     assert _generated((ROOT / "docs" / "models.md").read_text(), "benchmarks/doc_tables.py model_families_table") == \
         doc_tables.model_families_table()
-    assert _generated(_readme(), "benchmarks/doc_tables.py model_families_line") == doc_tables.model_families_line()
+    assert _generated(_readme(), "benchmarks/doc_tables.py model_families_readme_table") == \
+        doc_tables.model_families_readme_table()
 
 
 # ----------------------------------------------------------------------------- cited paths
