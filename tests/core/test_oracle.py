@@ -1,4 +1,4 @@
-"""Tests of the dense oracle (vtoken/oracle.py).
+"""Tests of the dense oracle (vtoken/oracle/).
 
 * no eviction (cfg=None, or a budget above the total length): tokens equal HF's own
   greedy ``generate`` (test model built here, the project's tiny model, SmolLM2);

@@ -114,7 +114,7 @@ def test_oracle_equals_masked_reference_schedule_and_score_every(gqa):
 @pytest.mark.parametrize("budget,kw", [(24, {}), (40, {}), (24, {"sink_tokens": 4, "recent_tokens": 3}),
                                        (40, {"recent_tokens": 0, "slack": 5})])
 def test_masked_reference_request_equals_oracle(gqa, budget, kw):
-    """Request sets (one set: the mean over every layer and query head, vtoken/oracle.py "Token-set
+    """Request sets (one set: the mean over every layer and query head, vtoken/oracle/__init__.py "Token-set
     conventions"): the oracle equals the masked reference, every token and every eviction."""
     prompt = _prompt()
     cfg = _cfg("h2o", budget, "request", **kw)

@@ -1,5 +1,5 @@
 """Request sets follow one statistic convention on the worker, in the oracle and in the masked
-reference (``vtoken/oracle.py``, "Token-set conventions"): a set's statistic is the mean of the
+reference (``vtoken/oracle/__init__.py``, "Token-set conventions"): a set's statistic is the mean of the
 post-softmax probabilities over the (layer, query head) pairs it covers, equal weight per pair
 (``request``: all ``L * Hq``), then summed over the step's rows (``col_sum``) or taken at its last
 row (``last_row``).
