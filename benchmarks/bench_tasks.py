@@ -256,6 +256,29 @@ def xargs_summary(lines: Iterable[str]) -> dict[str, Any]:
                 policies=sorted({r["vllm_xargs"]["vtoken_policy"] for r in rows if "vtoken_policy" in r["vllm_xargs"]}))
 
 
+def shared_kv(sent: dict[str, Any], block_size: int) -> dict[str, Any]:
+    """A cell's KV kept when other cells shared its server (so the server's ``/metrics`` deltas are
+    not its own), from what it sent (:func:`xargs_summary`): the mean ``vtoken_budget``, or without a
+    budget (stock) the mean prompt, which a request holds whole (its few generated tokens not
+    counted). The server's measured total over all its cells is checked in ``servers[].kv_check``."""
+    budget = sent["mean_budget_tokens"] is not None
+    kept = sent["mean_budget_tokens"] if budget else sent["mean_prompt_tokens"]
+    return dict(requests=sent["requests"], mean_prompt_tokens=sent["mean_prompt_tokens"], mean_kept_tokens=kept,
+                mean_kept_blocks=None if kept is None else kept / block_size, mean_peak_blocks=None,
+                source=("budget sent (vllm_xargs.vtoken_budget)" if budget else "prompt tokens sent (no budget)")
+                + "; the server's /metrics total is checked in servers[].kv_check")
+
+
+def rederive(doc: dict[str, Any], block_size: int) -> dict[str, Any]:
+    """Recomputes a result's derived fields from its recorded ones: the KV kept of cells that shared
+    their server (:func:`shared_kv` of their ``xargs_sent``) and every ``kv_kept_fraction``."""
+    for c in doc["cells"]:
+        if not c.get("alone_on_server", True):
+            c["kv"] = shared_kv(c["xargs_sent"], block_size)
+    add_kv_fractions(doc["cells"])
+    return doc
+
+
 def same_answers(new: list[tuple[str, list[str]]], old: list[tuple[str, list[str]]]) -> dict[str, int]:
     """Answer-by-answer comparison of two runs of the same documents (lm-eval's ``--limit`` takes the
     first documents, so the shorter run's are the longer run's first): ``compared`` (the shorter
@@ -354,12 +377,8 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
     sent = xargs_summary(xlog.read_text().splitlines() if xlog.exists() else [])
     if alone:
         kv = dict(kv_kept(metric_delta(before, after, KV_METRICS), a.block_size), source="/metrics delta of the cell")
-    else:  # other cells shared the server meanwhile: the budget each request was sent
-        kept = sent["mean_budget_tokens"]
-        kv = dict(requests=sent["requests"], mean_prompt_tokens=sent["mean_prompt_tokens"], mean_kept_tokens=kept,
-                  mean_kept_blocks=None if kept is None else kept / a.block_size, mean_peak_blocks=None,
-                  source="budget sent (vllm_xargs.vtoken_budget); the server's /metrics total is checked against "
-                         "the sum in servers[].kv_check")
+    else:  # other cells shared the server meanwhile: what each request was sent to keep
+        kv = shared_kv(sent, a.block_size)
     cell = dict(arm=arm["name"], policy=arm["policy"], budget_ratio=arm["budget_ratio"], server=arm["server"],
                 budget_tokens=sent["mean_budget_tokens"], task=task, length=length, **acc,
                 lm_eval_accuracy=reported, kv=kv, xargs_sent=sent, alone_on_server=alone,
@@ -474,7 +493,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--compare-with", nargs="*", default=None,
                     help="work directories of earlier runs (one server per arm): answers compared sample by sample")
     ap.add_argument("--name", default=None, help="result name (default tasks; --small: tasks_smoke)")
+    ap.add_argument("--rederive", default=None, metavar="NAME",
+                    help="no run: recompute results/NAME.json's derived fields (KV kept of shared-server cells, "
+                         "fractions) from its recorded ones, and redraw NAME.png")
     a = ap.parse_args(argv)
+    if a.rederive:
+        from common import RESULTS
+
+        out = RESULTS / f"{a.rederive}.json"
+        doc = json.loads(out.read_text())
+        args = doc["server"]["args"]
+        rederive(doc, int(args[args.index("--block-size") + 1]))
+        out.write_text(json.dumps(doc, indent=1))
+        plot(doc, out.with_suffix(".png"))
+        print(f"rederived {out} and {out.with_suffix('.png')}")
+        return 0
     preset = SMALL if a.small else dict(tasks=TASKS, lengths=LENGTHS, policies=POLICIES, ratios=RATIOS,
                                          limit=FULL_LIMIT)
     for k, v in preset.items():
@@ -576,7 +609,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 c.setdefault("same_as_one_server_per_arm", []).append(dict(cmp, reference=old[-1]))
     for c in doc["cells"]:
         c.pop("_samples", None)
-    add_kv_fractions(doc["cells"])
+    rederive(doc, a.block_size)
     doc["loadavg_after"] = list(os.getloadavg())
     doc["total_wall_s"] = round(time.time() - t_start, 1)
     out = RESULTS / f"{a.name}.json"

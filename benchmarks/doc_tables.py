@@ -576,6 +576,24 @@ def _short_refusal(text: str) -> str:
     return re.split(r" \(|; ", inner, maxsplit=1)[0].rstrip(")")
 
 
+def tasks_table(name: str = "tasks_1k.json") -> str:
+    """``bench_tasks.py``: per (task, length) and policy, accuracy (correct / n) at each budget ratio
+    of the prompt, and stock's with the full cache; the KV kept over stock's in the header."""
+    d = _load(name)
+    cells = d["cells"]
+    ratios = sorted({c["budget_ratio"] for c in cells if c["budget_ratio"]})
+    rows = ["| task, length | policy | " + " | ".join(f"{r * 100:g} % of the prompt" for r in ratios)
+            + " | stock (full cache) |", "|---|---|" + "---|" * (len(ratios) + 1)]
+    for task, length in sorted({(c["task"], c["length"]) for c in cells}):
+        here = [c for c in cells if (c["task"], c["length"]) == (task, length)]
+        stock = next(f"{c['correct']}/{c['n']}" for c in here if c["arm"] == "stock")
+        for pol in dict.fromkeys(c["policy"] for c in here if c["policy"]):
+            acc = {c["budget_ratio"]: f"{c['correct']}/{c['n']}" for c in here if c["policy"] == pol}
+            rows.append(f"| {task}, {length} | `{pol}` | " + " | ".join(acc.get(r, "-") for r in ratios)
+                        + f" | {stock} |")
+    return "\n".join(rows) + "\n"
+
+
 def model_families_readme_table(name: str = "model_families.json") -> str:
     """README.md: per model family, whether every request's tokens equal the dense oracle's on each
     execution path (H2O and K-norm, head and request sets), and Expected Attention's status; a
@@ -631,7 +649,7 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,
           "sla_pick_table": sla_pick_table,
           "model_families_table": model_families_table,
-          "model_families_readme_table": model_families_readme_table,
+          "model_families_readme_table": model_families_readme_table, "tasks_table": tasks_table,
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
           "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),

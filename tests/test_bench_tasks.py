@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -353,3 +354,45 @@ def test_benchmarks_readme_one_server_smoke_equals_the_per_arm_servers():
             f"{chk['measured_kept_tokens_sum'] / chk['requests']} measured per request (`kv_check`), in "
             f"{new['total_wall_s']:.0f} s instead of {old['total_wall_s']:.0f} s.") in text
     assert not sent
+
+
+def test_benchmarks_readme_four_policy_slice_is_the_result():
+    """The 1k slice's table is generated from results/tasks_1k.json, its prose figures are the
+    file's, and the recommendation follows from the table: the smallest budget whose accuracy is
+    within 5 points of stock's, among the tasks where stock reaches 60 %."""
+    p = ROOT / "benchmarks" / "results" / "tasks_1k.json"
+    if not p.exists():
+        pytest.skip("benchmarks/results/tasks_1k.json not committed")
+    import doc_tables
+
+    d = json.loads(p.read_text())
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    m = re.search(r"<!-- generated: benchmarks/doc_tables.py tasks_table -->\n(.*?)<!-- end generated -->", text, re.S)
+    assert m and m.group(1) == doc_tables.tasks_table("tasks_1k.json")
+    flat = " ".join(text.split())
+    loads = [x for c in d["cells"] for x in (c["load_before"][0], c["load_after"][0])]
+    assert (f"`{d['command']}` -> `results/tasks_1k.json`, plot `results/tasks_1k.png`; {len(d['cells'])} cells side by "
+            f"side on the two servers, {d['total_wall_s']:,.0f} s, load {min(loads):.1f}-{max(loads):.1f}") in flat
+    stock = {c["task"]: c for c in d["cells"] if c["arm"] == "stock"}
+    good = [t for t, c in stock.items() if c["accuracy"] >= 0.6]
+    assert good == ["niah_single_1"] and f"(stock {stock['niah_multikey_2']['correct']}/25, under" in flat
+    ok = [c for c in d["cells"] if c["task"] in good and c["policy"]
+          and c["accuracy"] >= stock[c["task"]]["accuracy"] - 0.05]
+    smallest = min(c["kv_kept_fraction"] for c in ok)
+    picks = sorted(c["policy"] for c in ok if c["kv_kept_fraction"] == smallest)
+    assert picks == ["snapkv", "tova"] and round(smallest, 2) == 0.5
+    assert "**The config within 5 points of dense at the smallest KV cache measured: TOVA or SnapKV at 50 % of the prompt**" in flat
+
+
+def test_shared_kv_and_rederive():
+    """A cell that shared its server: KV kept is the budget sent, or stock's whole prompt."""
+    sent = dict(requests=2, mean_prompt_tokens=874.0, mean_budget_tokens=109.5, policies=["h2o"])
+    assert bt.shared_kv(sent, 32)["mean_kept_tokens"] == 109.5 and bt.shared_kv(sent, 32)["mean_kept_blocks"] == 109.5 / 32
+    stock = dict(requests=2, mean_prompt_tokens=874.0, mean_budget_tokens=None, policies=[])
+    assert bt.shared_kv(stock, 32)["mean_kept_tokens"] == 874.0
+    cells = [dict(arm="stock", task="t", length=1, alone_on_server=False, xargs_sent=stock, kv={}),
+             dict(arm="h2o-12.5pct", task="t", length=1, alone_on_server=False, xargs_sent=sent, kv={}),
+             dict(arm="tova-12.5pct", task="t", length=1, alone_on_server=True, xargs_sent=sent,
+                  kv=dict(mean_kept_tokens=111.0))]
+    bt.rederive(dict(cells=cells), 32)
+    assert [c["kv_kept_fraction"] for c in cells] == [1.0, 109.5 / 874.0, 111.0 / 874.0]

@@ -95,7 +95,8 @@ This package never imports vllm.
 """
 
 from vtoken.oracle.chunks import prefill_points
-from vtoken.oracle.forward import QueryMoments, load_oracle_model
+from vtoken.oracle.forward import load_oracle_model
+from vtoken.oracle.moments import QueryMoments
 from vtoken.oracle.replay import OracleResult, oracle_generate
 from vtoken.oracle.stats import (GRANULARITIES, attention_stats, attention_stats_sets, expected_attention_sets,
                                  key_norm_sets, key_sim_sets, set_index_map)

@@ -3,15 +3,14 @@ attention probabilities, and the key statistics (K-norm, KeyDiff, Expected Atten
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from vtoken.oracle.moments import QueryMoments
 from vtoken.policies.base import AttentionNeed, AttentionStats
 
-if TYPE_CHECKING:  # pragma: no cover
-    from vtoken.oracle.forward import QueryMoments
 
 #: the token-set granularities, ``docs/granularity.md``
 GRANULARITIES = ("request", "layer", "head", "head_shared")
