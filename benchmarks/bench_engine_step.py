@@ -64,6 +64,7 @@ RESULTS = HERE / "results"
 # puts this checkout first on sys.path, which would shadow a ``--baseline`` tree's vtoken)
 if str(HERE.parent) not in sys.path:
     sys.path.append(str(HERE.parent))  # (last: a baseline tree on PYTHONPATH comes first)
+sys.path.append(str(HERE.parent / "tests"))  # tests/drivers/
 from drivers.harness import RunHooks  # noqa: E402
 
 #: vToken's timed parts (nested: begin and kv_moves are inside begin_step)

@@ -5,7 +5,7 @@ Method: SmolLM2-135M (bf16, its 8,192 positions), a pool of ``--blocks`` blocks 
 (``--num-gpu-blocks-override``; one block is vLLM's null block), chunked prefill with
 ``--chunk`` tokens per step, H2O at ``--budget`` (slack 0). For each arm and each prompt length of
 the grid (ascending: half the pool, the pool less two blocks, twice and four times the pool, capped
-by the model's positions), a fresh engine (``drivers/harness.py``) with ``max_model_len`` = prompt
+by the model's positions), a fresh engine (``tests/drivers/harness.py``) with ``max_model_len`` = prompt
 + ``--new`` tokens gets one request of that length; the length is served when the request ends
 with all its ``--new`` tokens. The arm stops at its first failure and records the reason (vLLM's
 start-up capacity check, or the request never fitting). Naive-Evict runs under ``decide_on:

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as d:
                 sp, op = Path(d) / "spec.json", Path(d) / "out.json"
                 sp.write_text(json.dumps(spec))
-                env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
                 t0 = time.time()
                 p = subprocess.run([sys.executable, "-c", CHILD, str(sp), str(op), "1" if arm == "h2o-untiled" else "0"],
                                    env=env, capture_output=True, text=True)

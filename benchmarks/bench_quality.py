@@ -3,7 +3,7 @@
 Two measurements on long ShareGPT conversations (chat template applied), each cut at
 ``prompt_len`` tokens:
 
-A. Teacher-forced, dense oracle (``vtoken.oracle.oracle_generate``, HF transformers, fp32,
+A. Teacher-forced, dense oracle (``reference.oracle.oracle_generate``, HF transformers, fp32,
    eager attention). The oracle runs the same step order and eviction as the engine (the engine
    is verified token-exact against it). The model is wrapped so that every decode step is fed
    the conversation's *real* next token instead of the oracle's own greedy sample (teacher
@@ -365,7 +365,7 @@ def oracle_part(p: dict, bar, partial: Path | None = None, resume: dict | None =
     import torch
 
     from vtoken.config import VTokenConfig
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     model = PrefillMemo(load_oracle_model(smollm2(), dtype=torch.float32))
     convs = load_long_conversations(p["n_conv"], p["prompt_len"] + p["K"], seed=SEED + 1)

@@ -392,7 +392,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def oracle_check(model: str, res: dict[str, Any], max_tokens: int) -> None:
     """Each request's tokens against the dense oracle; the oracle's counter totals (``res['oracle']``)."""
     from vtoken.config import parse_config, parse_request_overrides
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
     from e2e_server import expected_counters

@@ -57,6 +57,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/drivers/
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
 

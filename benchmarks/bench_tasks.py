@@ -51,6 +51,7 @@ from typing import Any, Iterable, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/drivers/
 sys.path.insert(0, str(HERE))
 
 #: RULER's synthetic tasks that run offline (lm-eval task names)

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "tests"):  # vtoken/, and the test drivers and references (tests/drivers/, tests/reference/)
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 RESULTS = ROOT / "benchmarks" / "results"
 

@@ -366,7 +366,7 @@ def run_oracle_matrix(deadline: Deadline, part_s: float) -> dict[str, Any]:
     if ran and end - time.monotonic() > 10:
         try:
             from vtoken.config import parse_config, parse_request_overrides
-            from vtoken.oracle import load_oracle_model, oracle_generate
+            from reference.oracle import load_oracle_model, oracle_generate
 
             m = load_oracle_model(model, dtype=torch.float32, device="cpu" if DRY_RUN_CPU else "cuda")
             base = parse_config(BASE_VTOKEN)

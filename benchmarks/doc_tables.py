@@ -534,7 +534,7 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
     return "\n".join(out) + "\n"
 
 
-#: the model-family matrix's execution paths, in column order (``drivers/model_families.py``)
+#: the model-family matrix's execution paths, in column order (``tests/drivers/model_families.py``)
 FAMILY_PATHS = (("v1-sync", "V1 sync"), ("mrv2-async", "MRV2 async"))
 
 

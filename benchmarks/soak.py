@@ -57,8 +57,9 @@ import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "tests"):  # vtoken/, tests/drivers/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from drivers.launcher import OpenAIServer, start_server  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""Makes ``tests/execution_paths.py`` and the repository's ``drivers/`` importable from every test
-directory, however pytest is started."""
+"""Makes ``tests/`` (``execution_paths``, ``drivers``, ``reference``) and the repository root importable
+from every test directory, however pytest is started."""
 
 import sys
 from pathlib import Path

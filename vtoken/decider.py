@@ -18,10 +18,10 @@ request's row, which the caller assigns (as vLLM's ``InputBatch`` assigns rows).
 
 Everything is torch tensor code on one device (CPU here, CUDA on a GPU): no per-request or
 per-token Python, no host sync inside a step (the move lists have data-dependent length).
-Each row's decisions equal the per-request path's (``TokenTable`` + ``EvictionPolicy`` +
-``plan_repack``): ``tests/core/test_decider.py`` replays random traces through both.
+Each row's decisions equal the per-request references' (``tests/reference/``: token table,
+policies, ``plan_repack``): ``tests/core/test_decider.py`` replays random traces through both.
 
-Precision: accumulators keep the policies' numpy dtype (float64 for H2O and TOVA). GPUs run
+Precision: accumulators keep the dtype a policy declares (float64 for H2O and TOVA). GPUs run
 float64 adds at a fraction of float32 speed, but a side-cache update is one elementwise add
 per live token per step, far below the attention's cost; float64 keeps the engine's decisions
 equal to the dense oracle's (float32 accumulation reorders near-ties). Revisit if a profile

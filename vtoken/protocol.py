@@ -7,7 +7,7 @@ score or logical position. Per request and step it works from integers only:
   ``k`` tokens;
 * :func:`evictable` caps ``k`` at the live tokens no protection covers, which is exactly the
   number the worker's selection (:func:`vtoken.select.select_victims`, the rules of
-  :meth:`vtoken.policies.base.EvictionPolicy.select_victims`) then evicts;
+  ``Reference.select_victims`` in ``tests/reference/policies.py``) then evicts;
 * :class:`CountTable` keeps the live and logical counts the block accounting needs
   (``cdiv(live, B)`` blocks); the worker keeps the token table itself, in its side cache
   (:class:`vtoken.decider.SideCache`).

@@ -13,7 +13,7 @@ request-relative physical slots ``0..num_live[r]-1`` (slot ``s`` lives in the re
 ``s // block_size`` at offset ``s % block_size``, as in ``tests/reference/repack.py``); columns
 ``>= num_live[r]`` are padding and are ignored whatever they hold.
 
-The rules are those of :meth:`vtoken.policies.base.EvictionPolicy.select_victims`, the
+The rules are those of ``Reference.select_victims`` (``tests/reference/policies.py``), the
 per-request reference the unit tests compare against:
 
 * protected, never a victim: the first ``max(sink_tokens, protected_prefix)`` logical positions
@@ -101,7 +101,7 @@ def protected_mask(
         bool ``[R, N]``: True for a live slot that holds a sink, a position below
         ``protected_prefix`` or one of the ``recent_tokens`` largest live positions; False for
         every other slot, padding included. Equal, row by row, to
-        :meth:`vtoken.policies.base.EvictionPolicy.protected_mask`.
+        ``Reference.protected_mask`` (``tests/reference/policies.py``).
 
     Raises:
         ValueError: a shape or dtype that does not match (CPU tensors also: a ``num_live``
@@ -176,7 +176,7 @@ def select_victims(
 
     Returns:
         bool ``[R, N]`` on ``scores``' device: exactly ``min(k, unprotected live slots)`` True
-        per row, on the slots that :meth:`vtoken.policies.base.EvictionPolicy.select_victims`
+        per row, on the slots that the per-request reference (``tests/reference/policies.py``)
         returns for that request alone.
 
     Raises:

@@ -18,7 +18,7 @@ def fam_path(request):
     return request.param, ensure_family_model(request.param)
 
 
-#: the families built to be refused (drivers/model_families.py REFUSED) and the feature each has
+#: the families built to be refused (tests/drivers/model_families.py REFUSED) and the feature each has
 REFUSED_FEATURE = {"gemma2": "attn_logit_softcapping", "mistral_swa": "sliding_window"}
 
 

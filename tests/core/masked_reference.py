@@ -5,7 +5,7 @@ logical index. Each token set has a boolean mask of its evicted logical position
 attention function (registered as ``"vtoken_masked"``) computes, per query head ``h`` of
 layer ``l``, ``softmax(q . k * scale + mask) @ v`` over KV head ``g = h // G`` with ``-inf`` on
 the causal future and on the keys evicted by the set covering (``l``, ``g``). It shares no
-gather, compaction or statistics code with :mod:`vtoken.oracle`: only the policies, the
+gather, compaction or statistics code with :mod:`reference.oracle`: only the policies, the
 pacing (:func:`vtoken.config.num_to_evict`) and the config.
 
 Decisions: the same policy code per set, on statistics restricted to that set's live keys
@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig, effective_budget, num_to_evict
-from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
+from reference.policies import AttentionStats, TokenView, reference
+from vtoken.policies.base import AttentionNeed
 
 IMPL = "vtoken_masked"
 
@@ -94,7 +95,7 @@ def masked_generate(model, prompt: list[int], max_new_tokens: int, cfg: VTokenCo
 
     budget = effective_budget(cfg, P)
     slack = cfg.resolved_slack()
-    policy = cfg.make_policy(budget)
+    policy = reference(cfg.make_policy(budget))
     need = policy.needs
     states = [policy.init_state() for _ in range(S)]
     cache = DynamicCache(config=c)

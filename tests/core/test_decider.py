@@ -10,14 +10,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vtoken.policies import available_policies
 from vtoken.config import VTokenConfig
 from vtoken.decider import DeviceDecider, SideCache
-from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
+from reference.policies import AttentionStats, TokenView, reference
+from vtoken.policies.base import AttentionNeed
 from reference.repack import NaiveEvictCounter
 from reference.token_table import TokenTable
 
 B = 4
-POLICIES = ["h2o", "tova", "scissorhands", "streaming", "random", "knorm", "keydiff", "snapkv", "expected_attention"]
+POLICIES = sorted(available_policies())  # every registered policy, a new one included
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -25,7 +27,8 @@ class _Ref:
     """One request on the per-request path (what VTokenSchedulerMixin does per request)."""
 
     def __init__(self, policy):
-        self.pol, self.table, self.state = policy, TokenTable(B), policy.init_state()
+        self.pol = reference(policy)
+        self.table, self.state = TokenTable(B), self.pol.init_state()
         self.table_evicted: list[np.ndarray] = []
 
     def append(self, n):

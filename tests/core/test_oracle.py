@@ -1,4 +1,4 @@
-"""Tests of the dense oracle (vtoken/oracle/).
+"""Tests of the dense oracle (tests/reference/oracle/).
 
 * no eviction (cfg=None, or a budget above the total length): tokens equal HF's own
   greedy ``generate`` (test model built here, the project's tiny model, SmolLM2);
@@ -26,9 +26,10 @@ import pytest
 import torch
 
 from vtoken.config import VTokenConfig, effective_budget
-from vtoken.oracle import OracleResult, attention_stats, load_oracle_model, oracle_generate
+from reference.oracle import OracleResult, attention_stats, load_oracle_model, oracle_generate
 from vtoken.policies import available_policies, get_policy_class
-from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, SlotState, TokenView
+from reference.policies import AttentionStats, SlotState, TokenView, reference
+from vtoken.policies.base import AttentionNeed, EvictionPolicy
 
 torch.set_num_threads(1)
 
@@ -415,7 +416,7 @@ def test_policy_state_follows_compaction(model2, test_policies):
     """The accumulated score of each live token equals the sum of its observed col_sums."""
     prompt = _prompt(seed=9)
     cfg = _cfg("oracle_test_accum", slack=2)
-    policy = cfg.make_policy(BUDGET)
+    policy = reference(cfg.make_policy(BUDGET))
     states = []
     orig_init = policy.init_state
 
@@ -446,7 +447,7 @@ def test_policy_state_follows_compaction(model2, test_policies):
 def test_score_every(model2, test_policies):
     prompt = _prompt(seed=10)
     cfg = _cfg("oracle_test_accum", score_every=3)
-    policy = cfg.make_policy(BUDGET)
+    policy = reference(cfg.make_policy(BUDGET))
     states = []
     orig_init = policy.init_state
     policy.init_state = lambda: states.append(orig_init()) or states[-1]  # type: ignore[method-assign]

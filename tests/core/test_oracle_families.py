@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vtoken.config import parse_config
-from vtoken.oracle import load_oracle_model, oracle_generate
+from reference.oracle import load_oracle_model, oracle_generate
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ import torch
 from masked_reference import masked_generate
 from vtoken.policies import get_policy_class
 from vtoken.config import parse_config
-from vtoken.oracle import attention_stats, attention_stats_sets, load_oracle_model, oracle_generate
+from reference.oracle import attention_stats, attention_stats_sets, load_oracle_model, oracle_generate
 from vtoken.policies.base import AttentionNeed
 
 torch.set_num_threads(1)
@@ -114,7 +114,7 @@ def test_oracle_equals_masked_reference_schedule_and_score_every(gqa):
 @pytest.mark.parametrize("budget,kw", [(24, {}), (40, {}), (24, {"sink_tokens": 4, "recent_tokens": 3}),
                                        (40, {"recent_tokens": 0, "slack": 5})])
 def test_masked_reference_request_equals_oracle(gqa, budget, kw):
-    """Request sets (one set: the mean over every layer and query head, vtoken/oracle/__init__.py "Token-set
+    """Request sets (one set: the mean over every layer and query head, tests/reference/oracle/__init__.py "Token-set
     conventions"): the oracle equals the masked reference, every token and every eviction."""
     prompt = _prompt()
     cfg = _cfg("h2o", budget, "request", **kw)
@@ -276,7 +276,7 @@ def test_key_norm_sets_exact():
     import numpy as np
     import torch
 
-    from vtoken.oracle import key_norm_sets, set_index_map
+    from reference.oracle import key_norm_sets, set_index_map
 
     L, H, T, q = 2, 2, 5, 2
     layers = []
@@ -310,7 +310,7 @@ def test_key_sim_sets_equal_an_independent_reference():
     import numpy as np
     import torch
 
-    from vtoken.oracle import key_sim_sets
+    from reference.oracle import key_sim_sets
 
     rng = np.random.default_rng(5)
     L, H, T, D = 3, 2, 7, 4

@@ -9,12 +9,21 @@ import numpy as np
 import pytest
 
 from vtoken.config import VTokenConfig, VTokenConfigError, num_to_evict, parse_config
-from vtoken.policies import AttentionNeed, AttentionStats, SlotState, TokenView, available_policies, get_policy_class
-from vtoken.policies.h2o import H2OPolicy
-from vtoken.policies.random import RandomPolicy, position_hash
-from vtoken.policies.scissorhands import ScissorhandsPolicy
-from vtoken.policies.streaming import StreamingLLMPolicy
-from vtoken.policies.tova import TOVAPolicy
+from reference.policies import AttentionStats, SlotState, TokenView, position_hash, reference
+from vtoken.policies import AttentionNeed, available_policies, get_policy_class
+from vtoken.policies import h2o, random, scissorhands, streaming, tova
+
+
+def _ref(cls):
+    """``cls(**kw)`` in its reference form (tests/reference/policies.py); the class's own fields."""
+    def make(**kw):
+        return reference(cls(**kw))
+    make.needs = cls.needs
+    return make
+
+
+H2OPolicy, RandomPolicy, TOVAPolicy = _ref(h2o.H2OPolicy), _ref(random.RandomPolicy), _ref(tova.TOVAPolicy)
+ScissorhandsPolicy, StreamingLLMPolicy = _ref(scissorhands.ScissorhandsPolicy), _ref(streaming.StreamingLLMPolicy)
 
 ALL = sorted(available_policies())
 
@@ -58,7 +67,7 @@ def check_victims(policy, view: TokenView, victims: np.ndarray, k: int) -> None:
 
 def policy_for(name: str, **kw):
     cfg = VTokenConfig(policy=name, **kw)
-    return cfg, cfg.make_policy()
+    return cfg, reference(cfg.make_policy())
 
 
 # ------------------------------------------------------- conformance (every policy)
@@ -67,8 +76,8 @@ def test_interface_conformance_and_apply_moves(name):
     kw = {"policy_args": {"window": 3}} if name == "scissorhands" else {}
     cfg, pol = policy_for(name, budget=6, sink_tokens=1, recent_tokens=2, **kw)
     assert pol.name == name and isinstance(pol.needs, AttentionNeed)
-    assert type(pol) is get_policy_class(name)
-    assert isinstance(pol.__doc__, str) and len(pol.__doc__) > 200
+    assert type(pol.policy) is get_policy_class(name)
+    assert isinstance(pol.policy.__doc__, str) and len(pol.policy.__doc__) > 200
 
     # identity layout (the dense oracle): prefill of 10 tokens then 2 decode steps
     s_id = pol.init_state()
@@ -428,7 +437,7 @@ def test_snapkv_window_is_the_last_queries():
     """The oracle's WINDOW statistic sums the last ``window`` query rows only."""
     import torch
 
-    from vtoken.oracle import attention_stats
+    from reference.oracle import attention_stats
 
     a = torch.zeros(1, 2, 4, 5, dtype=torch.float64)
     for q in range(4):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vtoken.policies import AttentionNeed, AttentionStats, TokenView, available_policies, get_policy_class
+from reference.policies import AttentionStats, TokenView, reference
+from vtoken.policies import AttentionNeed, available_policies, get_policy_class
 
 
 def _policy(name):
-    return get_policy_class(name)(sink_tokens=2, recent_tokens=3, seed=1)
+    return reference(get_policy_class(name)(sink_tokens=2, recent_tokens=3, seed=1))
 
 
 @pytest.mark.parametrize("name", sorted(available_policies()))
@@ -53,7 +54,7 @@ def test_all_protected_evicts_nothing():
 
 
 def test_oracle_refuses_a_negative_protected_prefix():
-    from vtoken.oracle import oracle_generate
+    from reference.oracle import oracle_generate
 
     class _M:
         class config:  # noqa: N801 - a stand-in for a HF config

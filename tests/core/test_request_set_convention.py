@@ -1,5 +1,5 @@
 """Request sets follow one statistic convention on the worker, in the oracle and in the masked
-reference (``vtoken/oracle/__init__.py``, "Token-set conventions"): a set's statistic is the mean of the
+reference (``tests/reference/oracle/__init__.py``, "Token-set conventions"): a set's statistic is the mean of the
 post-softmax probabilities over the (layer, query head) pairs it covers, equal weight per pair
 (``request``: all ``L * Hq``), then summed over the step's rows (``col_sum``) or taken at its last
 row (``last_row``).
@@ -29,8 +29,9 @@ import torch
 from vtoken.config import parse_config
 from vtoken.decider import DeviceDecider
 from vtoken.integrations.vllm.worker.scoring import StepScores
-from vtoken.oracle import attention_stats, attention_stats_sets
-from vtoken.policies.base import AttentionNeed, AttentionStats, TokenView
+from reference.oracle import attention_stats, attention_stats_sets
+from reference.policies import AttentionStats, TokenView, reference
+from vtoken.policies.base import AttentionNeed
 
 torch.set_num_threads(1)
 
@@ -132,10 +133,10 @@ def test_request_decisions_on_the_worker_equal_the_policy_on_reference_statistic
     the per-request policy on the float64 reference statistics."""
     P, budget, steps = 60, 40, 6
     cfg = parse_config({"policy": "h2o", "budget": budget, "granularity": "request"})
-    policy = cfg.make_policy(budget)
+    policy = reference(cfg.make_policy(budget))
     state = policy.init_state()
     nb = 8
-    dec = DeviceDecider(policy, (nb + 1) * BS, BS, max_requests=1)
+    dec = DeviceDecider(policy.policy, (nb + 1) * BS, BS, max_requests=1)
     rows = torch.tensor([0])
     table = torch.arange(1, nb + 1)[None]
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vtoken.policies.base import EvictionPolicy, TokenView
+from reference.policies import TokenView, reference
+from vtoken.policies.base import EvictionPolicy
 from reference.repack import plan_repack
 import vtoken.select
 from vtoken.select import global_slots, plan_moves, protected_mask, select_victims
@@ -32,7 +33,7 @@ class _Given(EvictionPolicy):
 
 
 def _reference(scores, pos, k, sinks, recent, prefix):
-    pol = _Given(sink_tokens=sinks, recent_tokens=recent)
+    pol = reference(_Given(sink_tokens=sinks, recent_tokens=recent))
     view = TokenView(logical_pos=np.asarray(pos, dtype=np.int64), num_logical=int(max(pos, default=-1)) + 1,
                      prompt_len=0, protected_prefix=prefix)
     prot = pol.protected_mask(view) if len(pos) else np.zeros(0, dtype=bool)

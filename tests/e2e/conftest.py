@@ -46,6 +46,6 @@ def sharegpt_prompts() -> list[str]:
 @pytest.fixture(scope="session")
 def oracle_model(tiny_model):
     """The tiny model in Hugging Face eager fp32: the dense oracle's reference."""
-    from vtoken.oracle import load_oracle_model
+    from reference.oracle import load_oracle_model
 
     return load_oracle_model(tiny_model)

@@ -18,7 +18,7 @@ from drivers import launcher
 from e2e_server import (BLOCK_SIZE, HTTP_TIMEOUT_S, MODEL_NAME, SERVER_ARGS, START_TIMEOUT_S, Server,
                         expected_counters)
 from vtoken.config import parse_config, parse_request_overrides
-from vtoken.oracle import oracle_generate
+from reference.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,7 @@ from e2e_server import MODEL_NAME, SERVER_ARGS, START_TIMEOUT_S, Server, expecte
 from execution_paths import path_env
 from vtoken.config import parse_config
 from drivers import launcher
-from vtoken.oracle import oracle_generate
+from reference.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine
 

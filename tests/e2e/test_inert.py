@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from e2e_server import run_server
-from vtoken.oracle import oracle_generate
+from reference.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine
 

@@ -35,7 +35,7 @@ import pytest
 from e2e_server import BLOCK_SIZE, MODEL_NAME, SERVER_ARGS, Server
 from vtoken.config import parse_config
 from drivers import launcher
-from vtoken.oracle import oracle_generate
+from reference.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine
 

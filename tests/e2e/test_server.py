@@ -1,6 +1,6 @@
 """The OpenAI server with vToken on (tiny model, H2O, budget 48 tokens, slack 0).
 
-References, all independent of the engine: the dense oracle (``vtoken.oracle``: greedy
+References, all independent of the engine: the dense oracle (``reference.oracle``: greedy
 Hugging Face generation with the same eviction on a logical-order cache) for the tokens
 and for every eviction count; the same requests served one at a time (solo) for the
 batched results; block counts replayed from the oracle's per-step live counts.
@@ -16,7 +16,7 @@ import requests
 
 from e2e_server import BLOCK_SIZE, HTTP_TIMEOUT_S, MODEL_NAME, expected_counters, run_server
 from vtoken.config import parse_config, parse_request_overrides
-from vtoken.oracle import oracle_generate
+from reference.oracle import oracle_generate
 
 pytestmark = pytest.mark.engine
 

@@ -23,7 +23,7 @@ from e2e_server import MODEL_NAME, expected_counters, run_server, vllm_cli
 from vtoken.config import parse_config
 from drivers import launcher
 from vtoken.integrations.vllm.sched.metrics import COUNTERS, GAUGES
-from vtoken.oracle import oracle_generate
+from reference.oracle import oracle_generate
 
 BUDGET = 48
 VT = {"policy": "h2o", "budget": BUDGET, "slack": 0}

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's drivers/ (run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's tests/drivers/ (run as a script)
 
 
 def _block_digest(caches, block_id: int) -> str:

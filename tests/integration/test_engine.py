@@ -72,7 +72,7 @@ def _oracle_tokens(tiny: str, prompt: list[int], new_tokens: int, cfg) -> list[i
     request's own eviction points, never at the chunks the engine happened to schedule)."""
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     key = (tuple(prompt), new_tokens, cfg.model_dump_json())
     if key not in _oracle_cache:

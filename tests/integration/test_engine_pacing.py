@@ -71,7 +71,7 @@ def test_short_pool_pressure_evicts_instead_of_preempting(tiny, path):
     fin = {f["req_id"].rsplit("-", 1)[0]: f for f in out["vtoken"]["finished"]}
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     torch.set_num_threads(2)
     model = load_oracle_model(tiny)

@@ -104,7 +104,7 @@ def test_tokens_equal_the_oracle_without_the_preemption(run, tiny):
     _, _, out = run
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     torch.set_num_threads(2)
     model = load_oracle_model(tiny)
@@ -148,7 +148,7 @@ def test_resume_with_prefix_caching_keeps_tokens(prefix_run, tiny):
     held every step (no move or copy wrote a shared or hashed block)."""
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     out = prefix_run
     assert out["finish"] == {"off": "length", "u": "length"}

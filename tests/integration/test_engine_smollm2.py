@@ -54,7 +54,7 @@ def run(prompts):
 def test_smollm2_matches_dense_oracle(run):
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     reqs, out = run
     assert out["vtoken"]["stats"]["evicted_tokens"] > 0

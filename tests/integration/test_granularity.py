@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from vtoken.policies import available_policies
 from vtoken.assets.paths import ensure_tiny_gqa_model
 from vtoken.config import parse_config, parse_request_overrides
 from drivers.harness import run_in_subprocess
@@ -25,7 +26,7 @@ from test_worker_decisions import _naive_blocks
 
 pytestmark = pytest.mark.engine
 
-POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
+POLICIES = sorted(available_policies())  # every registered policy, a new one included
 GRANULARITIES = ["layer", "head", "head_shared"]
 NEW = 40
 BASE = {"policy": "h2o", "budget": 40}
@@ -64,7 +65,7 @@ def gqa() -> str:
 def oracle(gqa):
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     torch.set_num_threads(2)
     model = load_oracle_model(gqa)
@@ -140,7 +141,7 @@ def test_preemption_keeps_every_token_set(gqa):
     assert len(out["resumes"]) >= 2 and all(x["scheduled"] == 1 for x in out["resumes"]), out["resumes"]
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     torch.set_num_threads(2)
     model = load_oracle_model(gqa)

@@ -5,9 +5,9 @@ Per family (a tiny random model, ``vtoken/assets/families.py``) one engine per e
 runs four requests in one batch: H2O and K-norm, each under ``head`` and ``request`` token sets
 (per-request ``vtoken_policy`` / ``vtoken_granularity``), 160-token prompts, budget 48, 24
 greedy tokens; two more with Expected Attention where the family has a plain or Llama 3 RoPE in a
-vLLM rotary layer (elsewhere Expected Attention must be refused at start-up, by name). Each request's tokens must equal the dense oracle's (``vtoken.oracle``, which runs
+vLLM rotary layer (elsewhere Expected Attention must be refused at start-up, by name). Each request's tokens must equal the dense oracle's (``reference.oracle``, which runs
 the family's own transformers attention with the same eviction decisions). The matrix and its
-helpers are ``drivers/model_families.py``; every observed row must equal the committed
+helpers are ``tests/drivers/model_families.py``; every observed row must equal the committed
 ``benchmarks/results/model_families.json`` (what the docs' "Models" tables show).
 
 Families vToken refuses (``drivers.model_families.REFUSED``: Gemma 2's attention soft-capping,

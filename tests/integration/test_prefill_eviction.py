@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from vtoken.policies import available_policies
 from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import parse_config, parse_request_overrides
 from drivers.harness import run_in_subprocess
@@ -30,7 +31,7 @@ EVERY = 64
 BUDGET = 64
 NEW = 24
 VT = {"policy": "h2o", "budget": BUDGET, "slack": 0, "prefill_eviction": "chunks", "prefill_eviction_every": EVERY}
-POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
+POLICIES = sorted(available_policies())  # every registered policy, a new one included
 
 
 def _prompt(i: int, n: int) -> list[int]:
@@ -58,7 +59,7 @@ def tiny() -> str:
 def oracle_model(tiny):
     import torch
 
-    from vtoken.oracle import load_oracle_model
+    from reference.oracle import load_oracle_model
 
     torch.set_num_threads(2)
     return load_oracle_model(tiny)
@@ -66,7 +67,7 @@ def oracle_model(tiny):
 
 @pytest.fixture(scope="module")
 def oracle(oracle_model):
-    from vtoken.oracle import oracle_generate
+    from reference.oracle import oracle_generate
 
     return lambda prompt, cfg: oracle_generate(oracle_model, prompt, NEW, cfg)
 
@@ -168,7 +169,7 @@ PRESSURE_BLOCKS = 34
 
 
 def test_pressure_pacing_between_chunks(tiny, oracle_model):
-    from vtoken.oracle import oracle_generate, prefill_points
+    from reference.oracle import oracle_generate, prefill_points
 
     vt = dict(VT, pacing="pressure")
     out = run_in_subprocess(dict(engine=dict(_engine(tiny), num_gpu_blocks_override=PRESSURE_BLOCKS), vtoken=vt,

@@ -127,7 +127,7 @@ _oracle: dict = {}
 def _oracle_tokens(tiny, prompt, extra, vt, protected, new=NEW, schedule=None):
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     cfg = parse_request_overrides(extra).apply(parse_config(vt))
     key = (tuple(prompt), cfg.model_dump_json(), protected, new, None if schedule is None else tuple(schedule.items()))
@@ -383,7 +383,7 @@ def test_first_evictions_under_pressure_defer_and_never_write_a_cached_block(tin
     lost, no cached block is written (contents hashed after every step), the pool returns, and
     every request's tokens equal the oracle replaying its evictions as logged (a preempted request
     resumes with its saved K/V: no replay needed)."""
-    from vtoken.oracle import oracle_generate
+    from reference.oracle import oracle_generate
 
     out = _run(tiny, PRESSURE_VT, PRESSURE, "v1-sync", digests=True, num_blocks=13, max_model_len=384)
     assert all(len(out["tokens"][f"P{i}"]) == 48 for i in range(4))

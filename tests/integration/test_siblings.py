@@ -62,7 +62,7 @@ def tiny() -> str:
 def oracle_tokens(tiny):
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     torch.set_num_threads(2)
     model = load_oracle_model(tiny)

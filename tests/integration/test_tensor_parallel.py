@@ -112,7 +112,7 @@ _oracle_cache: dict = {}
 def _oracle(tiny: str, r: dict):
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     key = r["id"]
     if key not in _oracle_cache:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vtoken.policies import available_policies
 from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import parse_config, parse_request_overrides
 from drivers.harness import run_in_subprocess
@@ -18,7 +19,7 @@ from execution_paths import EXPECTED, PATHS, path_env
 
 pytestmark = pytest.mark.engine
 
-POLICIES = ["h2o", "tova", "scissorhands", "random", "streaming", "knorm", "keydiff", "snapkv", "expected_attention"]
+POLICIES = sorted(available_policies())  # every registered policy, a new one included
 BUDGETS = [29, 45, 64]
 NEW = 64
 BASE = {"policy": "h2o", "budget": 45}
@@ -51,7 +52,7 @@ def tiny() -> str:
 def oracle(tiny):
     import torch
 
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     torch.set_num_threads(2)
     model = load_oracle_model(tiny)

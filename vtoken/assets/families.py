@@ -104,7 +104,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                                attn_pdrop=0.0, tie_word_embeddings=True),
            0.12, "learned absolute position embeddings (no RoPE), fused Conv1D qkv, tied head, MHA",
            std={"embed": 0.3}),
-    # families vToken refuses at start-up (drivers/model_families.py REFUSED names the words)
+    # families vToken refuses at start-up (tests/drivers/model_families.py REFUSED names the words)
     Family("gemma2", "Gemma 2", "Gemma2Config", dict(_gqa(4, 1, 256), hidden_activation="gelu_pytorch_tanh",
                                                      tie_word_embeddings=True, query_pre_attn_scalar=256,
                                                      sliding_window=64),

@@ -1,7 +1,7 @@
-"""Eviction policies, discoverable through the ``vtoken.policies`` entry-point group.
-
-A third-party package adds a policy by subclassing
-:class:`vtoken.policies.base.EvictionPolicy` and declaring, in its pyproject::
+"""Eviction policies: every module here that defines an
+:class:`~vtoken.policies.base.EvictionPolicy` subclass with a ``name`` is a built-in policy, so
+adding one is adding a file (``docs/layout.md``). A third-party package adds a policy through the
+``vtoken.policies`` entry-point group, in its pyproject::
 
     [project.entry-points."vtoken.policies"]
     mypolicy = "mypkg.policy:MyPolicy"
@@ -12,36 +12,28 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib.metadata import entry_points
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, EvictionPolicy
 
 __all__ = [
     "AttentionNeed",
-    "AttentionStats",
     "EvictionPolicy",
-    "SlotState",
-    "TokenView",
     "available_policies",
     "get_policy_class",
 ]
 
-# Built-ins are listed here too, so the core works from a source tree that was not pip-installed.
-_BUILTIN = {
-    "h2o": "vtoken.policies.h2o:H2OPolicy",
-    "scissorhands": "vtoken.policies.scissorhands:ScissorhandsPolicy",
-    "random": "vtoken.policies.random:RandomPolicy",
-    "streaming": "vtoken.policies.streaming:StreamingLLMPolicy",
-    "tova": "vtoken.policies.tova:TOVAPolicy",
-    "knorm": "vtoken.policies.knorm:KNormPolicy",
-    "keydiff": "vtoken.policies.keydiff:KeyDiffPolicy",
-    "snapkv": "vtoken.policies.snapkv:SnapKVPolicy",
-    "expected_attention": "vtoken.policies.expected_attention:ExpectedAttentionPolicy",
-}
-
-
 @lru_cache(maxsize=1)
 def available_policies() -> dict[str, str]:
-    """Policy name -> ``module:Class`` for every registered policy."""
-    found = dict(_BUILTIN)
+    """Policy name -> ``module:Class`` for every built-in (module docstring) and entry-point policy."""
+    import importlib
+    import pkgutil
+
+    found: dict[str, str] = {}
+    for info in pkgutil.iter_modules(__path__):
+        mod = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(mod).values():
+            if (isinstance(obj, type) and issubclass(obj, EvictionPolicy) and obj.__module__ == mod.__name__
+                    and obj.name != EvictionPolicy.name):
+                found[obj.name] = f"{mod.__name__}:{obj.__qualname__}"
     for ep in entry_points(group="vtoken.policies"):
         found.setdefault(ep.name, ep.value)
     return found

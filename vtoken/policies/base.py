@@ -1,48 +1,35 @@
-"""The eviction-policy interface shared by the vLLM integration and the dense oracle.
+"""The eviction-policy interface: each policy is one batched score over a paged side cache.
 
-A policy sees one request at a time, through arrays indexed by **physical slot**
-``0..num_live-1`` (the request-relative slot; slot ``s`` lives in the request's
-block ``s // block_size`` at offset ``s % block_size``). Per-slot state (accumulated
-scores, history) lives in a :class:`SlotState` that moves with the tokens when the
-repack moves them (``apply_moves``) or when the dense oracle compacts its cache
-(``compact``).
+A policy declares its per-slot state (``side_specs``: name -> leading shape and torch dtype), its
+per-request scalars (``request_specs``), the statistics it needs (``needs``), and two batched
+functions on the device: ``observe_batched`` folds one step's statistics into the state of a
+batch of requests (row ``r`` is one request, or one token set), ``score_batched`` returns a
+keep-score per slot. :mod:`vtoken.select` applies the protections every policy shares (attention
+sinks, the recent window, a protected prefix) and the tie-break (lower score first, then the
+smaller logical position), so decisions never depend on the slot order.
 
-Decisions never depend on the slot order: protections are defined on logical
-positions, and ties in the score are broken by logical position (the older token,
-i.e. the smaller logical position, is evicted first). So vToken (permuted slots),
-Naive-Evict and the dense oracle (logical order) make identical decisions given
-identical scores.
+Statistics a policy may ask for (``needs``), float ``[R, N]`` by slot, from the post-softmax
+attention probabilities averaged over the token set's layers and query heads
+(``docs/granularity.md``): ``col_sum`` (for the step's query rows, each key's summed probability:
+H2O), ``last_row`` (the last query row of a step that samples: TOVA, Scissorhands), and by name
+``key_norm``, ``key_sim``, the ``window`` column sums and the query moments. A slot a step does
+not cover holds ``NaN`` where the docstring of the need says so.
 
-Attention statistics a policy may ask for (``needs``), each ``np.ndarray`` of
-``float64`` ``[num_live]`` indexed by slot, computed from the post-softmax attention
-probabilities averaged over all layers and all query heads (with several token sets per
-request, ``docs/granularity.md``, over the layers and query heads of the set, each set
-being one such request-like row):
-
-* ``col_sum``: for the query rows of this step (the prompt chunk at prefill, one row
-  at decode), the sum over rows of each key's probability (H2O's accumulated attention).
-* ``last_row``: the probabilities of the last query row of a step that samples a token
-  (the final prompt token at prefill, the decode token at decode) (TOVA, Scissorhands).
-
-Both include the keys written in the same step (the step's own tokens).
-
-A slot a step's statistic does not cover holds ``NaN`` (e.g. K-norm's row for the slots the
-step did not write), and ``AttentionStats.num_keys`` gives the number of keys the step
-attended over when it differs from the arrays' length. ``observe`` must leave ``NaN`` slots
-untouched.
+The per-request numpy form of every built-in policy, which the dense oracle decides with, is an
+independent reference under ``tests/reference/policies.py``.
 """
 
 from __future__ import annotations
 
 import enum
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["AttentionNeed", "AttentionStats", "SlotState", "TokenView", "EvictionPolicy", "BatchedFields"]
+__all__ = ["AttentionNeed", "EvictionPolicy", "BatchedFields"]
 
 #: one request row per batch row: field name -> tensor ``[R, N, *lead]`` (per-slot) or ``[R]``
 #: (per-request, see ``EvictionPolicy.request_specs``)
@@ -66,118 +53,6 @@ class AttentionNeed(enum.Flag):
     QUERY_MOMENTS = enum.auto()
 
 
-@dataclass
-class AttentionStats:
-    """One step's attention statistics for one request (see module docstring).
-
-    Attributes:
-        col_sum: float64 ``[num_keys]`` or None when not requested.
-        last_row: float64 ``[num_keys]`` or None when the step sampled no token
-            (a non-final prefill chunk) or when not requested.
-        num_keys: keys the step attended over, when it differs from the arrays' length
-            None: the arrays' length. Entries may then be ``NaN`` (slot not covered).
-        key_norm: float64 ``[num_keys]``: the L2 norm of the key of each slot written in this
-            step (post-RoPE; RoPE is a rotation, so the norm is the pre-RoPE one), averaged over
-            the (layer, KV head) pairs of the token set; ``NaN`` for every other slot. None when
-            not requested.
-        key_sim: float64 ``[num_keys]``: for a policy with ``eviction_keys``, each live slot's
-            statistic computed from the cached keys right before an eviction, averaged over the
-            token set's (layer, KV head) pairs: KeyDiff's cosine similarity to its head's anchor
-            (``vtoken.policies.keydiff.key_similarity``), Expected Attention's expected attention
-            (``vtoken.policies.expected_attention.expected_attention``). None otherwise.
-    """
-
-    col_sum: Optional[np.ndarray] = None
-    last_row: Optional[np.ndarray] = None
-    num_keys: Optional[int] = None
-    key_norm: Optional[np.ndarray] = None
-    key_sim: Optional[np.ndarray] = None
-
-
-class SlotState:
-    """Per-slot arrays of one request's policy state; the last axis is the physical slot.
-
-    Arrays grow on demand (capacity doubles). Values of slots ``>= num_live`` are
-    undefined; ``reset_slots`` zeroes a range before new tokens use it.
-
-    Invariant: every array has the same capacity on its last axis.
-    """
-
-    def __init__(self, specs: dict[str, tuple[tuple[int, ...], np.dtype]], capacity: int = 64):
-        self._specs = {k: (tuple(lead), np.dtype(dt)) for k, (lead, dt) in specs.items()}
-        self.capacity = 0
-        self.arrays: dict[str, np.ndarray] = {}
-        self.extra: dict[str, Any] = {}  # scalar per-request policy state (e.g. ring index)
-        self.ensure_capacity(capacity)
-
-    def ensure_capacity(self, n: int) -> None:
-        """Make room for slots ``0..n-1`` (amortised O(1) per slot)."""
-        if n <= self.capacity:
-            return
-        cap = max(n, 2 * self.capacity, 16)
-        for k, (lead, dt) in self._specs.items():
-            new = np.zeros(lead + (cap,), dtype=dt)
-            if k in self.arrays:
-                new[..., : self.capacity] = self.arrays[k]
-            self.arrays[k] = new
-        self.capacity = cap
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        return self.arrays[key]
-
-    def reset_slots(self, start: int, stop: int) -> None:
-        """Zero slots ``[start, stop)`` in every array (new tokens start with no history)."""
-        self.ensure_capacity(stop)
-        for a in self.arrays.values():
-            a[..., start:stop] = 0
-
-    def apply_moves(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy each array's ``src`` slots to ``dst`` slots (gather, then scatter).
-
-        Args:
-            src, dst: int64 ``[num_moves]`` request-relative slots, as planned by
-                the repack planner (disjoint sets; ``tests/reference/repack.py``).
-        """
-        if len(src) == 0:
-            return
-        for a in self.arrays.values():
-            a[..., dst] = a[..., src]
-
-    def compact(self, keep: np.ndarray) -> None:
-        """Keep slots ``keep`` (int64 ``[k]``, ascending) and pack them into ``0..k-1``.
-
-        Used by the dense oracle, whose cache stays in logical order. ``keep`` may also be
-        a permutation of ``0..k-1``.
-        """
-        k = len(keep)
-        for a in self.arrays.values():
-            a[..., :k] = a[..., keep]
-
-
-@dataclass
-class TokenView:
-    """What a policy sees of one request when it selects victims.
-
-    Attributes:
-        logical_pos: int64 ``[num_live]``: logical position of the token in each slot.
-        num_logical: tokens ever appended to this request (prompt + generated so far
-            whose KV is cached).
-        prompt_len: number of prompt tokens (for ratio budgets and prefill-only policies).
-        protected_prefix: the first ``protected_prefix`` logical positions are never evicted
-            (tokens; with vLLM prefix caching, the request's cached/shared prefix blocks:
-            ``docs/integration.md``, "Prefix caching"); 0: none.
-    """
-
-    logical_pos: np.ndarray
-    num_logical: int
-    prompt_len: int
-    protected_prefix: int = 0
-
-    @property
-    def num_live(self) -> int:
-        return int(self.logical_pos.shape[0])
-
-
 def check_int_field(policy: str, field_name: str, value: Any, minimum: int) -> None:
     """Raise ``ValueError`` naming the field, the value and what is allowed unless
     ``value`` is an integer (not a bool) ``>= minimum``. For policies' ``__post_init__``."""
@@ -187,13 +62,12 @@ def check_int_field(policy: str, field_name: str, value: Any, minimum: int) -> N
 
 @dataclass
 class EvictionPolicy(ABC):
-    """Base class: subclasses score tokens, the base class selects victims.
+    """Base class: a policy is its batched score (module docstring).
 
-    Subclasses set ``name`` and ``needs``, define their per-slot state in
-    ``state_specs``, update it in ``observe`` and return a keep-score in ``score``
-    (higher = keep). :meth:`select_victims` applies the protections (attention
-    sinks, recent window) and the tie-break (lower score first, then smaller
-    logical position) and is the same for every policy.
+    Subclasses set ``name`` and ``needs``, declare their per-slot state in ``side_specs``,
+    update it in ``observe_batched`` and return keep-scores in ``score_batched`` (higher =
+    keep). The selection (:func:`vtoken.select.select_victims`: protections, tie-break) is the
+    same for every policy.
 
     Attributes:
         sink_tokens: number of first logical positions never evicted.
@@ -204,7 +78,7 @@ class EvictionPolicy(ABC):
     name: ClassVar[str] = "base"
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
     #: True: the policy scores from the cached keys right before each eviction
-    #: (``AttentionStats.key_sim``, set on the worker under ``decide_on: worker``; KeyDiff,
+    #: (``key_sim``, computed on the worker; KeyDiff,
     #: Expected Attention)
     eviction_keys: ClassVar[bool] = False
     #: True: :meth:`observe_batched` needs each slot's logical position (``fields["pos"]``,
@@ -217,7 +91,7 @@ class EvictionPolicy(ABC):
     #: False: its decisions depend only on the KV cache, the last prompt token's attention
     #: (always computed: a hit stops one token short) and later steps, so a hit is exact.
     prompt_statistics: ClassVar[bool] = False
-    #: True: the policy's only statistic is ``AttentionStats.key_norm`` and
+    #: True: the policy's only statistic is ``key_norm`` and
     #: :meth:`observe_batched` reads and writes nothing but the fields of the slots the step
     #: wrote (K-norm). On the worker such a step is folded straight into those slots
     #: (:meth:`vtoken.decider.DeviceDecider.observe_written`), with no pass over the live ones.
@@ -286,43 +160,22 @@ class EvictionPolicy(ABC):
 
         return frozenset(f.name for f in dataclasses.fields(cls)) - {"sink_tokens", "recent_tokens", "seed"}
 
-    # ----- per-request state -----
-    def state_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """Per-slot arrays: name -> (leading shape, dtype). Default: none."""
-        return {}
-
-    def init_state(self) -> SlotState:
-        """A fresh per-request state."""
-        return SlotState(self.state_specs())
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        """Fold one step's attention statistics into the state.
-
-        Called after each forward step that wrote tokens for this request, with
-        ``num_live`` = live tokens after the step (keys that the stats cover).
-        Slots written in this step were zeroed with ``reset_slots`` beforehand.
-        """
-
-    @abstractmethod
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        """Keep-score per slot, float64 ``[num_live]``; higher = more worth keeping."""
-
     # ----- batched, on the device (vtoken.decider) -----
     def side_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-slot fields of the paged side cache (:class:`vtoken.decider.SideCache`):
-        name -> (leading shape, torch dtype); by default the numpy ``state_specs``."""
-        return {k: (lead, torch.from_numpy(np.zeros(0, dtype=dt)).dtype) for k, (lead, dt) in self.state_specs().items()}
+        name -> (leading shape, torch dtype). Default: none."""
+        return {}
 
     def request_specs(self) -> dict[str, torch.dtype]:
-        """Per-request scalar fields (the batched ``SlotState.extra``): name -> dtype. Default: none."""
+        """Per-request scalar fields (e.g. Scissorhands' ring index): name -> dtype. Default: none."""
         return {}
 
     def observe_batched(self, fields: BatchedFields, live: torch.Tensor, col_sum: Optional[torch.Tensor],
                         last_row: Optional[torch.Tensor], **stats: Optional[torch.Tensor]) -> None:
         """Fold one step's statistics for a batch of requests, in place, on the device.
 
-        The batched :meth:`observe`: row ``r`` of every tensor is one request, equal to what
-        :meth:`observe` does to that request's :class:`SlotState` alone.
+        Row ``r`` of every tensor is one request (or token set), and what a row gets must not
+        depend on the other rows (the same request decides alike in any batch).
 
         Args:
             fields: per-slot fields gathered from the side cache, ``[R, N, *lead]``, and the
@@ -335,46 +188,10 @@ class EvictionPolicy(ABC):
         """
 
     def score_batched(self, fields: BatchedFields, logical_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Keep-scores of a batch of requests, float64 ``[R, N]`` (higher = keep): row ``r``
-        equals :meth:`score` of that request alone on its live slots (padding: anything).
+        """Keep-scores of a batch of requests, float64 ``[R, N]`` (higher = keep), row ``r`` a
+        function of that row alone; padding past ``live``: anything.
 
         Raises:
-            NotImplementedError: the policy has no batched form (the per-request path only).
+            NotImplementedError: the subclass wrote none (every policy must).
         """
         raise NotImplementedError(f"policy {self.name!r} has no batched (device) form")
-
-    # ----- selection (shared) -----
-    def protected_mask(self, view: TokenView) -> np.ndarray:
-        """bool ``[num_live]``: slots holding sinks, recent tokens or the protected prefix
-        (``view.protected_prefix``)."""
-        pos = view.logical_pos
-        prot = pos < max(self.sink_tokens, view.protected_prefix)
-        if self.recent_tokens > 0:
-            n = view.num_live
-            if self.recent_tokens >= n:
-                prot[:] = True
-            else:
-                # the recent_tokens largest logical positions among live tokens
-                cutoff = np.partition(pos, n - self.recent_tokens)[n - self.recent_tokens]
-                prot |= pos >= cutoff
-        return prot
-
-    def select_victims(self, state: SlotState, view: TokenView, num_to_evict: int) -> np.ndarray:
-        """Slots to evict, int64 ``[num_to_evict]`` (ascending).
-
-        Victims are the unprotected slots with the lowest ``score``; ties go to the
-        smaller logical position. If fewer unprotected tokens exist than asked for,
-        all unprotected tokens are evicted (the request then holds more than its
-        budget; the config layer rejects ``sink_tokens + recent_tokens > budget``).
-        """
-        if num_to_evict <= 0:
-            return np.zeros(0, dtype=np.int64)
-        n = view.num_live
-        scores = np.asarray(self.score(state, view), dtype=np.float64)
-        assert scores.shape == (n,), (scores.shape, n)
-        cand = np.flatnonzero(~self.protected_mask(view))
-        if len(cand) == 0:
-            return np.zeros(0, dtype=np.int64)
-        order = np.lexsort((view.logical_pos[cand], scores[cand]))
-        victims = cand[order[:num_to_evict]]
-        return np.sort(victims).astype(np.int64)

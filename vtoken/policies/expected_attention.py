@@ -10,7 +10,7 @@ from typing import ClassVar, Optional
 import numpy as np
 import torch
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, BatchedFields, EvictionPolicy
 
 __all__ = ["ExpectedAttentionPolicy", "QUERY_SKIP", "rope_pairs", "unrotate", "pair_terms", "future_rotation",
            "rope_prefix_sums", "rotation_from_prefix", "expected_attention"]
@@ -250,20 +250,8 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     def default_sink_tokens(cls, budget: int) -> int:
         return min(QUERY_SKIP, budget)
 
-    def state_specs(self):
-        return {"ea": ((), np.dtype(np.float64))}
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.key_sim is None:
-            return
-        row = np.asarray(stats.key_sim, dtype=np.float64)
-        if row.shape != (num_live,):
-            raise ValueError(f"expected_attention: key_sim has shape {row.shape}; expected ({num_live},)")
-        state.ensure_capacity(num_live)
-        state["ea"][:num_live] = np.nan_to_num(row, nan=-np.inf)  # no score: evicted first
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return state["ea"][: view.num_live].copy()
+    def side_specs(self):
+        return {"ea": ((), torch.float64)}
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row,
                         key_sim: Optional[torch.Tensor] = None, **_) -> None:

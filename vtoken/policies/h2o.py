@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, BatchedFields, EvictionPolicy
 
 __all__ = ["H2OPolicy"]
 
@@ -61,20 +60,8 @@ class H2OPolicy(EvictionPolicy):
     def default_recent_tokens(cls, budget: int) -> int:
         return budget // 2
 
-    def state_specs(self):
-        return {"acc": ((), np.dtype(np.float64))}
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.col_sum is None:
-            return
-        col = np.asarray(stats.col_sum, dtype=np.float64)
-        if col.shape != (num_live,):
-            raise ValueError(f"h2o: col_sum has shape {col.shape}; expected ({num_live},)")
-        state.ensure_capacity(num_live)
-        state["acc"][:num_live] += np.nan_to_num(col, nan=0.0)  # NaN: slot not covered (lagged stats)
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return state["acc"][: view.num_live].copy()
+    def side_specs(self):
+        return {"acc": ((), torch.float64)}
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row) -> None:
         if col_sum is not None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, BatchedFields, EvictionPolicy
 
 __all__ = ["KeyDiffPolicy", "key_similarity"]
 
@@ -87,20 +86,8 @@ class KeyDiffPolicy(EvictionPolicy):
     def default_granularity(cls) -> str:
         return "head"
 
-    def state_specs(self):
-        return {"sim": ((), np.dtype(np.float64))}
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.key_sim is None:
-            return
-        row = np.asarray(stats.key_sim, dtype=np.float64)
-        if row.shape != (num_live,):
-            raise ValueError(f"keydiff: key_sim has shape {row.shape}; expected ({num_live},)")
-        state.ensure_capacity(num_live)
-        state["sim"][:num_live] = np.nan_to_num(row, nan=np.inf)  # no cosine: evicted first
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return -state["sim"][: view.num_live]
+    def side_specs(self):
+        return {"sim": ((), torch.float64)}
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row,
                         key_sim: Optional[torch.Tensor] = None, **_) -> None:

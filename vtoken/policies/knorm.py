@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, BatchedFields, EvictionPolicy
 
 __all__ = ["KNormPolicy", "NORM_BITS", "round_norm"]
 
@@ -17,7 +16,7 @@ NORM_BITS = 12
 
 
 def round_norm(x):
-    """Round norms (numpy or torch, float64) to :data:`NORM_BITS` significant bits; ``NaN`` stays.
+    """Round norms (float64 tensor) to :data:`NORM_BITS` significant bits; ``NaN`` stays.
 
     Keys that are equal before RoPE (a repeated token's key in the first layer, which sees no
     context yet) have equal norms in exact arithmetic, but the rotation rounds differently at
@@ -28,11 +27,8 @@ def round_norm(x):
     exactly, and the tie goes to the older token, as for every policy.
     """
     scale = float(1 << NORM_BITS)
-    if isinstance(x, torch.Tensor):
-        m, e = torch.frexp(x)
-        return torch.ldexp(torch.round(m * scale) / scale, e.to(x.dtype))
-    m, e = np.frexp(x)
-    return np.ldexp(np.round(m * scale) / scale, e)
+    m, e = torch.frexp(x)
+    return torch.ldexp(torch.round(m * scale) / scale, e.to(x.dtype))
 
 
 @dataclass
@@ -75,22 +71,8 @@ class KNormPolicy(EvictionPolicy):
     def default_granularity(cls) -> str:
         return "head"
 
-    def state_specs(self):
-        return {"norm": ((), np.dtype(np.float64))}
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.key_norm is None:
-            return
-        row = np.asarray(stats.key_norm, dtype=np.float64)
-        if row.shape != (num_live,):
-            raise ValueError(f"knorm: key_norm has shape {row.shape}; expected ({num_live},)")
-        state.ensure_capacity(num_live)
-        norm = state["norm"][:num_live]
-        written = ~np.isnan(row)  # NaN: not written in this step
-        norm[written] = round_norm(row[written])
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return -state["norm"][: view.num_live]
+    def side_specs(self):
+        return {"norm": ((), torch.float64)}
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row,
                         key_norm: Optional[torch.Tensor] = None, **_) -> None:

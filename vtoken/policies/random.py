@@ -5,39 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import AttentionNeed, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, EvictionPolicy
 
-__all__ = ["RandomPolicy", "position_hash", "position_hash_torch"]
+__all__ = ["RandomPolicy", "position_hash_torch"]
 
 _MASK64 = (1 << 64) - 1
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+_GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser on uint64 arrays (wrapping arithmetic)."""
-    z = z ^ (z >> np.uint64(30))
-    z = z * _M1
-    z = z ^ (z >> np.uint64(27))
-    z = z * _M2
-    return z ^ (z >> np.uint64(31))
-
-
-def position_hash(seed: int, positions: np.ndarray) -> np.ndarray:
-    """A uniform-looking float64 in ``[0, 1)`` per logical position, a pure function of
-    ``(seed, position)``: a SplitMix64-style integer hash, top 53 bits.
-
-    The global RNG (``random``, ``np.random``) is never touched.
-    """
-    pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        key = _mix64(np.array([int(seed) & _MASK64], dtype=np.uint64))[0]
-        z = _mix64(key + (pos + np.uint64(1)) * _GAMMA)
-    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+def _mix64_int(z: int) -> int:
+    """SplitMix64's finaliser on one uint64 (a Python int, wrapping at 64 bits)."""
+    z ^= z >> 30
+    z = (z * _M1) & _MASK64
+    z ^= z >> 27
+    z = (z * _M2) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _signed(u: int) -> int:
@@ -52,21 +36,23 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 def _mix64_torch(z: torch.Tensor) -> torch.Tensor:
     z = z ^ _shr(z, 30)
-    z = z * _signed(int(_M1))
+    z = z * _signed(_M1)
     z = z ^ _shr(z, 27)
-    z = z * _signed(int(_M2))
+    z = z * _signed(_M2)
     return z ^ _shr(z, 31)
 
 
 def position_hash_torch(seed: int, positions: torch.Tensor) -> torch.Tensor:
-    """:func:`position_hash` in torch (any device): float64, bit for bit the same values.
+    """A uniform-looking float64 in ``[0, 1)`` per logical position, a pure function of
+    ``(seed, position)``: a SplitMix64-style integer hash, top 53 bits, on any device. The global
+    RNG is never touched.
 
     Args:
         seed: the policy seed (any int; its low 64 bits are used).
         positions: int64 tensor of logical positions, any shape.
     """
-    key = int(_mix64(np.array([int(seed) & _MASK64], dtype=np.uint64))[0])
-    z = _mix64_torch(_signed(key) + (positions.to(torch.int64) + 1) * _signed(int(_GAMMA)))
+    key = _mix64_int(int(seed) & _MASK64)
+    z = _mix64_torch(_signed(key) + (positions.to(torch.int64) + 1) * _signed(_GAMMA))
     return _shr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
 
 
@@ -78,7 +64,7 @@ class RandomPolicy(EvictionPolicy):
     Idea: evict uniformly random unprotected tokens; a floor for the attention-based
     policies under the same budget and protections.
 
-    Score: ``position_hash(seed, logical_pos)``, a deterministic function of the seed
+    Score: ``position_hash_torch(seed, logical_pos)``, a deterministic function of the seed
     and the token's logical position only, so vToken (permuted slots), Naive-Evict
     and the dense oracle (logical order) evict the same tokens, and a run is
     reproducible. The global RNG is never touched.
@@ -95,9 +81,6 @@ class RandomPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "random"
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return position_hash(self.seed, view.logical_pos)
 
     def score_batched(self, fields, logical_pos, live):
         return position_hash_torch(self.seed, logical_pos)

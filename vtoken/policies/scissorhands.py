@@ -5,17 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import (
-    AttentionNeed,
-    AttentionStats,
-    EvictionPolicy,
-    SlotState,
-    TokenView,
-    check_int_field,
-)
+from vtoken.policies.base import AttentionNeed, EvictionPolicy, check_int_field
 
 __all__ = ["ScissorhandsPolicy"]
 
@@ -114,36 +106,6 @@ class ScissorhandsPolicy(EvictionPolicy):
     @classmethod
     def default_args(cls, budget: int) -> dict:
         return {"window": cls.default_window(budget)}
-
-    # ----- state -----
-    def state_specs(self):
-        return {"hist": ((self.window,), np.dtype(np.bool_))}
-
-    def init_state(self) -> SlotState:
-        state = super().init_state()
-        state.extra["ring"] = 0
-        return state
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.last_row is None or num_live <= 0:
-            return
-        row = np.asarray(stats.last_row, dtype=np.float64)
-        if row.shape != (num_live,):
-            raise ValueError(f"scissorhands: last_row has shape {row.shape}; expected ({num_live},)")
-        state.ensure_capacity(num_live)
-        hist = state["hist"]
-        r = int(state.extra.get("ring", 0)) % self.window
-        hist[r, :] = False
-        t = stats.num_keys or num_live  # keys attended at that step
-        hist[r, :num_live] = row < 1.0 / t  # NaN (slot not covered) compares False: counts 0
-        state.extra["ring"] = (r + 1) % self.window
-
-    def counts(self, state: SlotState, view: TokenView) -> np.ndarray:
-        """int64 ``[num_live]``: steps in the window where each slot was below uniform."""
-        return state["hist"][:, : view.num_live].sum(axis=0, dtype=np.int64)
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return -self.counts(state, view).astype(np.float64)
 
     def side_specs(self):
         # the window's bits packed 64 to an int64 word (bit j of word w: step w * 64 + j of the

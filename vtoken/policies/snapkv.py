@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import (AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView,
-                                  check_int_field)
+from vtoken.policies.base import AttentionNeed, BatchedFields, EvictionPolicy, check_int_field
 
 __all__ = ["SnapKVPolicy", "pool_logical"]
 
@@ -126,31 +124,12 @@ class SnapKVPolicy(EvictionPolicy):
         hit's tokens (a hit stops at least one token short of the prompt)."""
         return prompt_len - hit < self.window
 
-    def state_specs(self):
+    def side_specs(self):
         # score: the pooled windows so far; pend: the column sums of a window's rows computed in
         # an earlier step than its last row (vLLM cut the window into several chunks), pooled
         # with the step that ends it, as if the window were one step (pooling is not additive
         # over steps: its edges depend on the live tokens)
-        return {"score": ((), np.dtype(np.float64)), "pend": ((), np.dtype(np.float64))}
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.col_sum is None or num_live <= 0:
-            return
-        col = np.asarray(stats.col_sum, dtype=np.float64)
-        if col.shape != (num_live,):
-            raise ValueError(f"snapkv: col_sum has shape {col.shape}; expected ({num_live},)")
-        state.ensure_capacity(num_live)
-        if stats.last_row is None:  # a window's rows before its last: kept until that one
-            state["pend"][:num_live] += np.nan_to_num(col)
-            return
-        col = np.nan_to_num(col) + state["pend"][:num_live]
-        state["pend"][:num_live] = 0.0
-        pooled = pool_logical(torch.from_numpy(col)[None], torch.from_numpy(
-            np.array(view.logical_pos[:num_live], dtype=np.int64))[None], torch.tensor([num_live]), self.kernel)
-        state["score"][:num_live] += pooled[0].numpy()
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return state["score"][: view.num_live]
+        return {"score": ((), torch.float64), "pend": ((), torch.float64)}
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row, **_) -> None:
         if col_sum is None:

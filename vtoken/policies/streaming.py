@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import AttentionNeed, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, EvictionPolicy
 
 __all__ = ["StreamingLLMPolicy"]
 
@@ -53,9 +52,6 @@ class StreamingLLMPolicy(EvictionPolicy):
     @classmethod
     def default_recent_tokens(cls, budget: int) -> int:
         return max(0, budget - cls.default_sink_tokens(budget))
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return view.logical_pos.astype(np.float64)
 
     def score_batched(self, fields, logical_pos, live):
         return logical_pos.to(torch.float64)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
-from vtoken.policies.base import AttentionNeed, AttentionStats, BatchedFields, EvictionPolicy, SlotState, TokenView
+from vtoken.policies.base import AttentionNeed, BatchedFields, EvictionPolicy
 
 __all__ = ["TOVAPolicy"]
 
@@ -48,22 +47,8 @@ class TOVAPolicy(EvictionPolicy):
     def default_granularity(cls) -> str:
         return "layer"
 
-    def state_specs(self):
-        return {"last": ((), np.dtype(np.float64))}
-
-    def observe(self, state: SlotState, num_live: int, stats: AttentionStats, view: TokenView) -> None:
-        if stats.last_row is None:
-            return
-        row = np.asarray(stats.last_row, dtype=np.float64)
-        if row.shape != (num_live,):
-            raise ValueError(f"tova: last_row has shape {row.shape}; expected ({num_live},)")
-        state.ensure_capacity(num_live)
-        last = state["last"][:num_live]
-        covered = ~np.isnan(row)  # NaN: slot not covered by this step (lagged stats)
-        last[covered] = row[covered]
-
-    def score(self, state: SlotState, view: TokenView) -> np.ndarray:
-        return state["last"][: view.num_live].copy()
+    def side_specs(self):
+        return {"last": ((), torch.float64)}
 
     def observe_batched(self, fields: BatchedFields, live, col_sum, last_row) -> None:
         if last_row is not None:

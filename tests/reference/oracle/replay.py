@@ -1,5 +1,5 @@
 """The protocol replay: :func:`oracle_generate` runs one request's steps in the engine's order
-(:mod:`vtoken.oracle`, "Step order"): the prefill (:mod:`vtoken.oracle.chunks`), then per decode
+(:mod:`reference.oracle`, "Step order"): the prefill (:mod:`reference.oracle.chunks`), then per decode
 step the eviction, the token's forward and the greedy sample."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig, num_to_evict
-from vtoken.oracle.chunks import prefill, prefill_points
-from vtoken.oracle.forward import _EMPTY, Replay, _check_model
+from reference.oracle.chunks import prefill, prefill_points
+from reference.oracle.forward import _EMPTY, Replay, _check_model
 from vtoken.policies.base import EvictionPolicy
 
 
@@ -98,7 +98,7 @@ def oracle_generate(
             The budget is ``effective_budget(cfg, prompt_len)``, the slack
             ``cfg.resolved_slack()``; the policy is built once per request with
             ``cfg.make_policy(budget)``; the token sets follow
-            ``cfg.resolved_granularity()`` (:mod:`vtoken.oracle`), each with its own
+            ``cfg.resolved_granularity()`` (:mod:`reference.oracle`), each with its own
             ``policy.init_state()``.
         eos_token_id: EOS id(s); only used when ``ignore_eos`` is False.
         ignore_eos: keep generating after EOS (the default, like vLLM's ``ignore_eos``).

@@ -1,6 +1,6 @@
 """The oracle's prefill: the prompt cut at its eviction points (``prefill_eviction: chunks``), each
 chunk a scored forward over the live tokens before it and its own. A preemption needs no replay
-(:mod:`vtoken.oracle`): the engine restores the request's K/V and policy state."""
+(:mod:`reference.oracle`): the engine restores the request's K/V and policy state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig, num_to_evict
-from vtoken.oracle.forward import _EMPTY, Replay
+from reference.oracle.forward import _EMPTY, Replay
 
 
 def prefill_points(prompt_len: int, cfg: Optional[VTokenConfig]) -> list[int]:

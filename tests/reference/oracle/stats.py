@@ -1,4 +1,4 @@
-"""The oracle's statistics per token set (:mod:`vtoken.oracle`, "Token-set conventions"):
+"""The oracle's statistics per token set (:mod:`reference.oracle`, "Token-set conventions"):
 attention probabilities, and the key statistics (K-norm, KeyDiff, Expected Attention) from its cache."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from vtoken.oracle.moments import QueryMoments
-from vtoken.policies.base import AttentionNeed, AttentionStats
+from reference.oracle.moments import QueryMoments
+from reference.policies import AttentionStats
+from vtoken.policies.base import AttentionNeed
 
 
 #: the token-set granularities, ``docs/granularity.md``

@@ -1,7 +1,7 @@
 """The model-family matrix (issue 43): one engine per (family, execution path), four requests in
 one batch (H2O and K-norm, each under ``head`` and ``request`` token sets, chosen per request
 with ``vtoken_policy`` / ``vtoken_granularity``), every request's greedy tokens against the dense
-oracle (:func:`vtoken.oracle.oracle_generate` on the transformers model of the same weights).
+oracle (:func:`reference.oracle.oracle_generate` on the transformers model of the same weights).
 
 Used by ``tests/integration/test_model_families.py`` and by
 ``python -m drivers.model_families [--paths v1-sync,mrv2-async] [FAMILY ...]``, which runs the
@@ -121,7 +121,7 @@ def oracle_tokens(family: str, evict: bool = True) -> dict[str, list[int]]:
 
     from vtoken.assets.paths import ensure_family_model
     from vtoken.config import parse_config, parse_request_overrides
-    from vtoken.oracle import load_oracle_model, oracle_generate
+    from reference.oracle import load_oracle_model, oracle_generate
 
     torch.set_num_threads(2)
     if family not in _models:

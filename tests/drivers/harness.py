@@ -265,9 +265,9 @@ def run_in_subprocess(spec: dict[str, Any], *, env: dict[str, str] | None = None
         e.pop("PROMETHEUS_MULTIPROC_DIR", None)  # in-process EngineCore: nothing to bridge
         if env:
             e.update(env)
-        # this checkout's drivers/ (and vtoken/) first, whatever the caller's directory
-        root = str(Path(__file__).resolve().parents[1])
-        e["PYTHONPATH"] = os.pathsep.join([root] + [x for x in e.get("PYTHONPATH", "").split(os.pathsep) if x])
+        # this checkout's tests/drivers/ (and vtoken/) first, whatever the caller's directory
+        here = Path(__file__).resolve().parents
+        e["PYTHONPATH"] = os.pathsep.join([str(here[1]), str(here[2])] + [x for x in e.get("PYTHONPATH", "").split(os.pathsep) if x])
         p = subprocess.run([sys.executable, "-m", "drivers.harness", str(sp), str(op)],
                            env=e, capture_output=True, text=True, timeout=timeout, start_new_session=True)
         if p.returncode != 0 or not op.exists():

@@ -9,10 +9,11 @@ import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig, effective_budget
-from vtoken.oracle.moments import QueryMoments
-from vtoken.oracle.stats import (attention_stats_sets, expected_attention_sets, key_norm_sets, key_sim_sets,
+from reference.oracle.moments import QueryMoments
+from reference.oracle.stats import (attention_stats_sets, expected_attention_sets, key_norm_sets, key_sim_sets,
                                  set_index_map)
-from vtoken.policies.base import AttentionNeed, AttentionStats, EvictionPolicy, TokenView
+from reference.policies import AttentionStats, TokenView, reference
+from vtoken.policies.base import AttentionNeed, EvictionPolicy
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -39,12 +40,12 @@ def _check_model(model) -> None:
     if impl != "eager":
         raise ValueError(
             f"oracle_generate: model attention implementation is {impl!r}; the oracle needs 'eager' "
-            "(load with attn_implementation='eager', e.g. vtoken.oracle.load_oracle_model)"
+            "(load with attn_implementation='eager', e.g. reference.oracle.load_oracle_model)"
         )
 
 
 class Replay:
-    """One request's replay state (:func:`vtoken.oracle.oracle_generate`): the model and its dense cache
+    """One request's replay state (:func:`reference.oracle.oracle_generate`): the model and its dense cache
     (``cache``: per layer keys and values ``[1, Hkv, T, hd]``), the policy with one state per token set
     (``states``; none without eviction), each set's live logical positions in slot order (``pos``),
     and what the result records (one entry per generated token).
@@ -67,7 +68,8 @@ class Replay:
             if policy is None:
                 policy = cfg.make_policy(self.budget)
             self.need = policy.needs
-        self.policy = policy
+        self.policy = None if policy is None else reference(policy)  # its numpy form (reference/policies.py)
+        policy = self.policy
         self.device = next(model.parameters()).device
         self.cache = cache = DynamicCache(config=model.config)
         if any(getattr(layer, "is_sliding", False) for layer in cache.layers):

@@ -94,11 +94,11 @@ worker: ``StepScores`` / ``set_means`` in ``vtoken/integrations/vllm/worker/scor
 This package never imports vllm.
 """
 
-from vtoken.oracle.chunks import prefill_points
-from vtoken.oracle.forward import load_oracle_model
-from vtoken.oracle.moments import QueryMoments
-from vtoken.oracle.replay import OracleResult, oracle_generate
-from vtoken.oracle.stats import (GRANULARITIES, attention_stats, attention_stats_sets, expected_attention_sets,
+from reference.oracle.chunks import prefill_points
+from reference.oracle.forward import load_oracle_model
+from reference.oracle.moments import QueryMoments
+from reference.oracle.replay import OracleResult, oracle_generate
+from reference.oracle.stats import (GRANULARITIES, attention_stats, attention_stats_sets, expected_attention_sets,
                                  key_norm_sets, key_sim_sets, set_index_map)
 
 __all__ = ["OracleResult", "oracle_generate", "prefill_points", "load_oracle_model", "attention_stats", "attention_stats_sets",
