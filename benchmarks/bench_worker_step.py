@@ -480,9 +480,8 @@ def make_policy(policy: str, live: int, granularity: str):
     if policy not in POLICIES:
         raise SystemExit(f"bench_worker_step: policy {policy!r} is not supported here (it needs the KV cache or "
                          f"key statistics); choose from {POLICIES}")
-    cfg = VTokenConfig(policy=policy, budget=live - 1, granularity=granularity)
-    pol = cfg.make_policy()
-    return pol, WorkerSpec(pol, int(pol.sink_tokens), int(pol.recent_tokens), 0, 0, cfg.resolved_granularity())
+    plan = VTokenConfig(policy=policy, budget=live - 1, granularity=granularity).plan()
+    return plan.policy, WorkerSpec(plan)
 
 
 class WorkerStepBench:

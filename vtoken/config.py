@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "VTokenConfig",
+    "RequestPlan",
     "RequestOverrides",
     "VTokenConfigError",
     "parse_config",
@@ -279,6 +281,22 @@ class VTokenConfig(BaseModel):
         return cls(sink_tokens=sinks, recent_tokens=recent, seed=self.seed,
                    **{**cls.default_args(b), **self.policy_args})
 
+    def plan(self, prompt_len: Optional[int] = None) -> "RequestPlan":
+        """Resolve this config once for a request of ``prompt_len`` prompt tokens (None: the budget
+        as given, ``budget_ratio`` not applied): the policy built, every default applied.
+
+        Raises:
+            ValueError: an unknown or bad entry in ``policy_args`` (:meth:`make_policy`).
+        """
+        budget = self.budget if prompt_len is None else effective_budget(self, prompt_len)
+        prefill = self.resolved_prefill_eviction()
+        return RequestPlan(
+            policy=self.make_policy(budget), budget=budget, slack=self.resolved_slack(),
+            granularity=self.resolved_granularity(), prefill_eviction=prefill,
+            point_every=self.prefill_eviction_every if prefill == "chunks" else 0, score_every=self.score_every,
+            mode=self.mode, pacing=self.pacing, protect_cached_prefix=self.protect_cached_prefix,
+            prefix_hits=self.prefix_hits)
+
     def protections(self, budget: Optional[int] = None) -> tuple[int, int]:
         """(sink_tokens, recent_tokens) after applying the policy defaults, in tokens."""
         from vtoken.policies import get_policy_class
@@ -476,6 +494,66 @@ def effective_budget(cfg: VTokenConfig, prompt_len: int) -> int:
     b = max(1, math.ceil(cfg.budget_ratio * prompt_len))
     sinks, recent = cfg.protections(b)
     return max(b, sinks + recent)
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """One request's eviction settings, resolved once from its config when it arrives
+    (:meth:`VTokenConfig.plan`). The scheduler, the worker and the dense oracle read the plan, never
+    the config, so a request's policy flows one way: config -> plan -> scheduler / worker.
+
+    Attributes:
+        policy: the request's :class:`~vtoken.policies.base.EvictionPolicy`, built with its
+            protections and ``policy_args`` (its class: ``type(policy)``).
+        budget: live tokens kept after an eviction (``budget_ratio`` applied to the prompt).
+        slack: tokens over the budget tolerated before evicting (fixed pacing).
+        granularity: the token sets (``request``, ``layer``, ``head``, ``head_shared``).
+        prefill_eviction: ``after`` or ``chunks``.
+        point_every: the prompt's eviction points under ``chunks``, in tokens; 0 under ``after``.
+        score_every, mode, pacing, protect_cached_prefix, prefix_hits: the config's fields.
+    """
+
+    policy: Any
+    budget: int
+    slack: int
+    granularity: str
+    prefill_eviction: str
+    point_every: int
+    score_every: int
+    mode: str
+    pacing: str
+    protect_cached_prefix: bool
+    prefix_hits: str
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.policy.sink_tokens
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.policy.recent_tokens
+
+    @property
+    def needs(self):
+        """The policy's :class:`~vtoken.policies.base.AttentionNeed`."""
+        return self.policy.needs
+
+    @property
+    def chunks(self) -> bool:
+        """``prefill_eviction: chunks``: it may evict between its prefill chunks."""
+        return self.prefill_eviction == "chunks"
+
+    def may_evict(self, prompt_len: int, max_tokens: Optional[int]) -> bool:
+        """False when ``prompt_len + max_tokens`` never exceeds what the pacing keeps: budget + slack
+        (fixed), or the budget (pressure pacing cuts a request down to its budget)."""
+        if max_tokens is None:
+            return True
+        return prompt_len + max_tokens > self.budget + (self.slack if self.pacing == "fixed" else 0)
+
+    def bound(self) -> int:
+        """Tokens a ``chunks`` request may hold at most: the budget, the slack, the prompt tokens
+        between two eviction points (it evicts only at the points) and the token sampled last."""
+        return self.budget + self.slack + self.point_every + 1
 
 
 def num_to_evict(num_live: int, budget: int, slack: int) -> int:

@@ -23,9 +23,8 @@ BS = 16
 
 
 def _args(budget: int = 64, slack: int = 0) -> dict:
-    cfg = VTokenConfig(policy="h2o", budget=budget, slack=slack)
-    pol = cfg.make_policy(budget)
-    return dict(cfg=cfg, budget=budget, slack=slack, policy=pol, prompt_len=100)
+    plan = VTokenConfig(policy="h2o", budget=budget, slack=slack).plan()
+    return dict(plan=plan, budget=budget, slack=slack, prompt_len=100)
 
 
 def _pair(cols: CountColumns, budget: int = 64, slack: int = 0) -> tuple[RequestState, CountState]:

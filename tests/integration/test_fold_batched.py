@@ -25,8 +25,7 @@ NB = 24  # KV blocks the keys are read from
 
 
 def _spec(policy: str, gran: str) -> WorkerSpec:
-    pol = VTokenConfig(policy=policy, budget=16).make_policy()
-    return WorkerSpec(pol, int(pol.sink_tokens), int(pol.recent_tokens), 0, 0, gran)
+    return WorkerSpec(VTokenConfig(policy=policy, budget=16, granularity=gran).plan())
 
 
 #: (request, policy, granularity)

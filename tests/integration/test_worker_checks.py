@@ -21,8 +21,7 @@ BS = 32
 
 
 def _spec() -> WorkerSpec:
-    pol = VTokenConfig(policy="random", budget=16).make_policy()
-    return WorkerSpec(pol, 0, 0, 0, 0, "request")
+    return WorkerSpec(VTokenConfig(policy="random", budget=16, granularity="request").plan())
 
 
 def _so(new=(), cached=(), counts=None):

@@ -23,13 +23,13 @@ B = 32
 def _rank(low: slice, gran: str = "head") -> tuple[WorkerDecisions, str]:
     """One rank: a request of 64 prompt tokens (2 blocks), its statistics lowest on ``low``,
     then an eviction of 32 tokens (H2O evicts the lowest accumulated scores)."""
-    pol = VTokenConfig(policy="h2o", budget=32, sink_tokens=0, recent_tokens=0).make_policy()
+    plan = VTokenConfig(policy="h2o", budget=32, sink_tokens=0, recent_tokens=0, granularity=gran).plan()
     dec = WorkerDecisions(num_blocks=8, block_size=B, device="cpu", num_layers=1, num_kv_heads=1)
     rid = "r"
     cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set())
     so = NS(finished_req_ids=[], scheduled_new_reqs=[NS(req_id=rid, block_ids=([2, 5, 6],))],
             scheduled_cached_reqs=cached, num_scheduled_tokens={rid: 64})
-    dec.begin(so, StepPayload(states={rid: WorkerSpec(pol, 0, 0, 0, granularity=gran)}))
+    dec.begin(so, StepPayload(states={rid: WorkerSpec(plan)}))
     col = np.ones(64)
     col[low] = 0.0
     dec.fold({rid: (col, None)})

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from vtoken.config import VTokenConfig, effective_budget
+from vtoken.config import VTokenConfig
 from reference.oracle.moments import QueryMoments
 from reference.oracle.stats import (attention_stats_sets, expected_attention_sets, key_norm_sets, key_sim_sets,
                                  set_index_map)
@@ -62,11 +62,10 @@ class Replay:
         self.budget = self.slack = None
         self.granularity, self.need = "request", AttentionNeed.NONE
         if cfg is not None:
-            self.granularity = cfg.resolved_granularity()
-            self.budget = effective_budget(cfg, P)
-            self.slack = cfg.resolved_slack()
+            plan = cfg.plan(P)  # as the engine resolves the request (vtoken.config.RequestPlan)
+            self.granularity, self.budget, self.slack = plan.granularity, plan.budget, plan.slack
             if policy is None:
-                policy = cfg.make_policy(self.budget)
+                policy = plan.policy
             self.need = policy.needs
         self.policy = None if policy is None else reference(policy)  # its numpy form (reference/policies.py)
         policy = self.policy

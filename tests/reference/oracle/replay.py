@@ -95,11 +95,9 @@ def oracle_generate(
         prompt_ids: the prompt's token ids, ``len >= 1``.
         max_new_tokens: tokens to generate, ``>= 1``.
         cfg: eviction settings; ``None`` turns eviction off (plain greedy, dense cache).
-            The budget is ``effective_budget(cfg, prompt_len)``, the slack
-            ``cfg.resolved_slack()``; the policy is built once per request with
-            ``cfg.make_policy(budget)``; the token sets follow
-            ``cfg.resolved_granularity()`` (:mod:`reference.oracle`), each with its own
-            ``policy.init_state()``.
+            The request's plan is ``cfg.plan(prompt_len)`` (:class:`vtoken.config.RequestPlan`: budget,
+            slack, policy, token sets), as the engine resolves it; each token set
+            (:mod:`reference.oracle`) has its own ``init_state()``.
         eos_token_id: EOS id(s); only used when ``ignore_eos`` is False.
         ignore_eos: keep generating after EOS (the default, like vLLM's ``ignore_eos``).
         return_logits: also return each step's float32 next-token logits.

@@ -22,29 +22,42 @@ __all__ = ["StepPayload", "ScoreMap", "WorkerSpec"]
 
 
 class WorkerSpec(NamedTuple):
-    """What the worker needs to decide for one request.
+    """What the worker needs to decide for one request: its plan, and what its first scheduled
+    step found in the prefix cache.
 
     Attributes:
-        policy: the request's :class:`~vtoken.policies.base.EvictionPolicy` (a small dataclass;
-            the worker uses its batched methods, grouping requests by policy).
-        sink_tokens, recent_tokens, protected_prefix: its protections, in tokens.
+        plan: the request's :class:`vtoken.config.RequestPlan` (its policy, a small dataclass
+            whose batched methods the worker runs, grouping requests by policy; its protections;
+            its token sets, ``docs/granularity.md``).
+        protected_prefix: logical positions below it are never evicted (prefix caching), in tokens.
         cached_tokens: prefix-cache hit: its first tokens whose KV is already in its first
             blocks (computed by an earlier request); the worker appends them with the step's.
-        granularity: its token sets (``request``, ``layer``, ``head``, ``head_shared``;
-            ``docs/granularity.md``), resolved from the config.
         shared_tokens: the first cached tokens whose blocks it shares with other requests (their
             policy state is read-only for it, ``DeviceDecider.share_prefix``); None: all of them.
             The rest of the hit was copied into its private blocks in this step
             (``StepPayload.unshare``), so the worker writes their state as for its own tokens.
     """
 
-    policy: Any
-    sink_tokens: int
-    recent_tokens: int
-    protected_prefix: int
+    plan: Any
+    protected_prefix: int = 0
     cached_tokens: int = 0
-    granularity: str = "request"
     shared_tokens: Optional[int] = None
+
+    @property
+    def policy(self) -> Any:
+        return self.plan.policy
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.plan.sink_tokens
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.plan.recent_tokens
+
+    @property
+    def granularity(self) -> str:
+        return self.plan.granularity
 
 #: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot
 #: (with several token sets: ``[S, num_live]``, each set in its own slot order).

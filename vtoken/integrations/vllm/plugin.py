@@ -116,15 +116,16 @@ def _wrap_create_engine_config() -> None:
         from vtoken.integrations.vllm.sched.metrics import setup_prometheus_bridge
 
         setup_prometheus_bridge()
+        plan = cfg.plan()
         logger.info(
             "vToken on: mode=%s policy=%s budget=%s%s slack=%d sinks/recent=%s block_size=%s "
             "model_runner=%s scheduling=%s granularity=%s prefill_eviction=%s",
             cfg.mode, cfg.policy, cfg.budget,
             f" (ratio {cfg.budget_ratio})" if cfg.budget_ratio else "",
-            cfg.resolved_slack(), cfg.protections(), vcfg.cache_config.block_size,
+            plan.slack, (plan.sink_tokens, plan.recent_tokens), vcfg.cache_config.block_size,
             "v2" if vcfg.use_v2_model_runner else "v1", "async" if is_async else "sync",
-            cfg.resolved_granularity() + ("" if cfg.granularity else " (the policy's default)"),
-            cfg.resolved_prefill_eviction() + ("" if cfg.prefill_eviction else " (the default)"),
+            plan.granularity + ("" if cfg.granularity else " (the policy's default)"),
+            plan.prefill_eviction + ("" if cfg.prefill_eviction else " (the default)"),
         )
         return vcfg
 
@@ -143,8 +144,9 @@ def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
     tp = vcfg.parallel_config.tensor_parallel_size
     replicated = vcfg.model_config.get_total_num_kv_heads() < tp
     frontend.set_per_head_allowed(not replicated)
-    if replicated and cfg.resolved_granularity() in ("head", "head_shared"):
-        refusals.refuse("per_head_replicated_kv", cfg.resolved_granularity(),
+    gran = cfg.plan().granularity
+    if replicated and gran in ("head", "head_shared"):
+        refusals.refuse("per_head_replicated_kv", gran,
                         f"the model has {vcfg.model_config.get_total_num_kv_heads()} KV heads, "
                         f"--tensor-parallel-size is {tp}")
     rope = refusals.rope_problem(vcfg.model_config.hf_text_config)

@@ -98,10 +98,10 @@ class BlockAccounting:
 
     def expected_delta_entry(self, st: RequestState):
         """What :attr:`deltas` must hold for a request with state ``st`` (None: absent)."""
-        if st.cfg.mode == "naive":
+        if st.plan.mode == "naive":
             return self.NAIVE
         off = st.table.num_logical - st.table.num_live
-        return off if (st.cfg.mode == "vtoken" and off) else None
+        return off if (st.plan.mode == "vtoken" and off) else None
 
     def delta(self, request_id: str, num_tokens: int) -> int:
         """Tokens to subtract from a logical token count to get the slots to allocate."""
@@ -110,10 +110,10 @@ class BlockAccounting:
             return 0
         table = st.table
         offset = table.num_logical - table.num_live
-        if st.cfg.mode == "vtoken":
+        if st.plan.mode == "vtoken":
             return offset
         phys = num_tokens - offset
-        if st.cfg.mode == "naive":
+        if st.plan.mode == "naive":
             bs = self.block_size
             extra_blocks = max(0, cdiv(num_tokens, bs) - cdiv(st.naive.num_logical, bs))
             need = (st.naive.num_retained_blocks + extra_blocks) * bs
@@ -128,7 +128,7 @@ class BlockAccounting:
         block and allocate it back every step.
         """
         dense = cdiv(st.table.num_live + upcoming, self.block_size)
-        if st.cfg.mode == "naive":
+        if st.plan.mode == "naive":
             return max(dense, st.naive.num_retained_blocks)
         return dense
 

@@ -1,7 +1,7 @@
 """Prompts longer than the KV pool (issue 25, item 2; ``prefill_eviction: chunks``).
 
 With ``prefill_eviction: chunks`` a request never holds more than ``budget + slack +
-prefill_eviction_every + 1`` tokens (:func:`request_bound`: it evicts at its eviction points,
+prefill_eviction_every + 1`` tokens (:meth:`vtoken.config.RequestPlan.bound`: it evicts at its eviction points,
 and vLLM's chunks never cross one), whatever its prompt. Two
 of vLLM's checks assume a request holds its whole sequence, and vToken bounds both by that:
 
@@ -29,24 +29,17 @@ import functools
 import logging
 from typing import Any, Optional
 
-from vtoken.config import VTokenConfig, effective_budget
+from vtoken.config import VTokenConfig
 
-__all__ = ["install", "request_bound", "engine_bound"]
+__all__ = ["install", "engine_bound"]
 
 logger = logging.getLogger("vllm.vtoken")
 
 _VLLM_CONFIG: contextvars.ContextVar = contextvars.ContextVar("vtoken_kv_cache_vllm_config", default=None)
 
 
-def request_bound(cfg: VTokenConfig, prompt_len: int) -> int:
-    """Tokens a request with ``prefill_eviction: chunks`` may hold at most: its budget, the slack,
-    the prompt tokens between two eviction points (``prefill_eviction_every``: it evicts only at
-    the points, whatever chunks vLLM schedules between them) and the token sampled last."""
-    return effective_budget(cfg, prompt_len) + cfg.resolved_slack() + cfg.prefill_eviction_every + 1
-
-
 def engine_bound(vllm_config: Any) -> Optional[int]:
-    """:func:`request_bound` for the engine's own config, or None: no ``vtoken`` key, ``mode`` is
+    """:meth:`vtoken.config.RequestPlan.bound` for the engine's own config, or None: no ``vtoken`` key, ``mode`` is
     ``naive``, ``prefill_eviction`` is not ``chunks``, or the budget is a ratio of the prompt (then
     no bound holds for every prompt)."""
     ac = getattr(vllm_config, "additional_config", None) or {}
@@ -54,9 +47,10 @@ def engine_bound(vllm_config: Any) -> Optional[int]:
     if not raw:
         return None
     cfg = VTokenConfig.model_validate(raw)
-    if cfg.mode != "vtoken" or cfg.resolved_prefill_eviction() != "chunks" or cfg.budget_ratio is not None:
+    plan = cfg.plan()
+    if plan.mode != "vtoken" or not plan.chunks or cfg.budget_ratio is not None:
         return None
-    return request_bound(cfg, 0)
+    return plan.bound()
 
 
 def install() -> None:

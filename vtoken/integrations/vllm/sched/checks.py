@@ -68,7 +68,7 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
         d = accounting.deltas.get(rid)
         assert d == accounting.expected_delta_entry(st), (
             f"{rid}: the KV manager's delta entry is {d}, expected {accounting.expected_delta_entry(st)} "
-            f"(mode={st.cfg.mode}, live={st.table.num_live}, logical={st.table.num_logical})")
+            f"(mode={st.plan.mode}, live={st.table.num_live}, logical={st.table.num_logical})")
         if isinstance(st, CountState):  # the row's derived columns
             row = st._cols.data[:, st.row]
             held = len(req_to_blocks.get(rid, ()))
@@ -92,7 +92,7 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
             n = len(req_to_blocks.get(rid, ()))
             exp = accounting.target_blocks(st)
             assert n == exp, (
-                f"{rid}: holds {n} blocks, expected {exp} (mode={st.cfg.mode}, live={st.table.num_live}, "
+                f"{rid}: holds {n} blocks, expected {exp} (mode={st.plan.mode}, live={st.table.num_live}, "
                 f"logical={st.table.num_logical}, naive={st.naive.num_retained_blocks})"
             )
     for rid, pairs in (getattr(moves, "unshare", None) or {}).items():

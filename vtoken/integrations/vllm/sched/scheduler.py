@@ -47,17 +47,15 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from vtoken.config import VTokenConfig, VTokenConfigError, effective_budget, parse_config, parse_request_overrides
+from vtoken.config import RequestPlan, VTokenConfig, VTokenConfigError, parse_config, parse_request_overrides
 from vtoken.integrations.vllm.sched.accounting import BlockAccounting, VTokenFullAttentionManager
-from vtoken.integrations.vllm.sched.admission import request_bound
 from vtoken.integrations.vllm.sched.checks import check_invariants, trace_record
 from vtoken.integrations.vllm.sched import counts as C
 from vtoken.integrations.vllm.sched.counts import CountColumns, CountState
 from vtoken.integrations.vllm.sched.metrics import VTokenMetrics
 from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.sched.state import RequestState, VTokenStats, cdiv
-from vtoken.policies.base import AttentionNeed, EvictionPolicy
-from vtoken.policies import get_policy_class
+from vtoken.policies.base import AttentionNeed
 from vtoken.pacing import Candidate, plan_pressure_evictions
 from vtoken.protocol import evictable
 
@@ -111,7 +109,8 @@ class VTokenSchedulerMixin:
         #: prefix caching: tail blocks vToken returned to the pool in this schedule() (this step's
         #: moves may still read them, so a copy of a cached block never goes to one)
         self._vt_released_now: list = []
-        self._vt_req_cfg: dict[str, Optional[VTokenConfig]] = {}
+        #: each request's plan (its config resolved once when it arrives; None: no eviction)
+        self._vt_plans: dict[str, Optional[RequestPlan]] = {}
         #: prefill_eviction chunks, a request that may evict: req_id -> prefill_eviction_every
         #: (its eviction points; vLLM's chunks are cut there: _reserve_prefill_lookahead)
         self._vt_points: dict[str, int] = {}
@@ -130,7 +129,6 @@ class VTokenSchedulerMixin:
         self._vt_rows_version = 0
         self._vt_rows_cache: dict[str, tuple] = {}
         self._vt_run_cache: Optional[tuple] = None
-        self._vt_policy_cache: dict[tuple, EvictionPolicy] = {}
         self.vt_stats = VTokenStats()
         self._vt_metrics = VTokenMetrics.from_vllm_config(self.vllm_config)
         # Debug aids (tests, soak): VTOKEN_CHECK=1 checks the invariants after every
@@ -164,20 +162,27 @@ class VTokenSchedulerMixin:
                          "support yet; eviction off for this request", request.request_id)
             self.vt_stats.request_faults += 1
             cfg = None
-        self._vt_req_cfg[request.request_id] = cfg
-        if (cfg is not None and self._vt_caching and cfg.prefix_hits == "skip" and not request.skip_reading_prefix_cache
-                and get_policy_class(cfg.policy).prompt_statistics
-                and self._vt_may_evict(cfg, request)):
+        plan: Optional[RequestPlan] = None
+        if cfg is not None:
+            try:
+                plan = cfg.plan(request.num_prompt_tokens)
+            except ValueError as e:  # the front end and the start-up check validate first
+                logger.error("vToken: request %s: %s; eviction off for this request", request.request_id, e)
+                self.vt_stats.request_faults += 1
+        self._vt_plans[request.request_id] = plan
+        may_evict = plan is not None and plan.may_evict(request.num_prompt_tokens, self._vt_max_tokens(request))
+        if (may_evict and self._vt_caching and plan.prefix_hits == "skip" and not request.skip_reading_prefix_cache
+                and plan.policy.prompt_statistics):
             # A hit would be kept (protected, _vt_state), so the request's tokens would depend on
             # what the cache holds; with prefix_hits: skip it computes its prompt instead. vLLM
             # still hashes and caches its blocks for others (only the lookup is skipped).
             request.skip_reading_prefix_cache = True
             self.vt_stats.prefix_reads_skipped += 1
-        if cfg is not None and cfg.resolved_prefill_eviction() == "chunks" and self._vt_may_evict(cfg, request):
-            self._vt_points[request.request_id] = cfg.prefill_eviction_every
-            if cfg.mode == "vtoken":
+        if may_evict and plan.chunks:
+            self._vt_points[request.request_id] = plan.point_every
+            if plan.mode == "vtoken":
                 # (Naive-Evict frees a block only once every token in it is dead: no bound; stock admission)
-                self._vt_accounting.admission_cap[request.request_id] = request_bound(cfg, request.num_prompt_tokens)
+                self._vt_accounting.admission_cap[request.request_id] = plan.bound()
         super().add_request(request)
 
     @staticmethod
@@ -187,31 +192,13 @@ class VTokenSchedulerMixin:
             max_tokens = request.sampling_params.max_tokens
         return max_tokens
 
-    def _vt_may_evict(self, cfg: VTokenConfig, request) -> bool:
-        """False when prompt + max_tokens can never exceed what the pacing keeps: budget + slack
-        (fixed), or the budget (pressure pacing cuts any request down to its budget)."""
-        max_tokens = self._vt_max_tokens(request)
-        if max_tokens is None:
-            return True
-        prompt_len = request.num_prompt_tokens
-        keep = effective_budget(cfg, prompt_len) + (cfg.resolved_slack() if cfg.pacing == "fixed" else 0)
-        return prompt_len + max_tokens > keep
-
-    def _vt_prompt_protected(self, cfg: VTokenConfig, request) -> int:
+    def _vt_prompt_protected(self, plan: RequestPlan, request) -> int:
         """Prefix caching, a request that may evict: the prompt tokens it never evicts, a function
         of the request alone (never of what the cache holds): its full prompt blocks under
         ``protect_cached_prefix`` (they stay shared with every request that hits them), else none."""
-        if not cfg.protect_cached_prefix:
+        if not plan.protect_cached_prefix:
             return 0
         return request.num_prompt_tokens // self._vt_bs * self._vt_bs
-
-    def _vt_policy(self, cfg: VTokenConfig, budget: int) -> EvictionPolicy:
-        key = (cfg.policy, budget, cfg.sink_tokens, cfg.recent_tokens, cfg.seed, tuple(sorted(cfg.policy_args.items())))
-        pol = self._vt_policy_cache.get(key)
-        if pol is None:
-            pol = cfg.make_policy(budget)
-            self._vt_policy_cache[key] = pol
-        return pol
 
     def _vt_state(self, request, scheduled: int) -> Optional[RequestState]:
         """The request's state; made when it is first scheduled (again after a preemption),
@@ -220,20 +207,19 @@ class VTokenSchedulerMixin:
         st = self._vt_states.get(rid)
         if st is not None:
             return st
-        cfg = self._vt_req_cfg.get(rid)
-        if cfg is None:
+        plan = self._vt_plans.get(rid)
+        if plan is None:
             return None
         prompt_len = request.num_prompt_tokens
-        budget = effective_budget(cfg, prompt_len)
-        pol = self._vt_policy(cfg, budget)
+        pol = plan.policy
         # the counts and per-step fields in a row of self._vt_cols
-        st = CountState(cfg=cfg, budget=budget, slack=cfg.resolved_slack(), policy=pol, prompt_len=prompt_len,
+        st = CountState(plan=plan, budget=plan.budget, slack=plan.slack, prompt_len=prompt_len,
                         cols=self._vt_cols, block_size=self._vt_bs)
-        st.may_evict = self._vt_may_evict(cfg, request)
-        st.chunk_evict = cfg.resolved_prefill_eviction() == "chunks"
-        st.point_every = cfg.prefill_eviction_every if st.chunk_evict else 0
+        st.may_evict = plan.may_evict(prompt_len, self._vt_max_tokens(request))
+        st.chunk_evict = plan.chunks
+        st.point_every = plan.point_every
         st.score_need = pol.needs.value
-        st.score_every = cfg.score_every
+        st.score_every = plan.score_every
         st.recent = pol.recent_tokens
         # Prefix-cache hit: num_computed_tokens already counts this step's tokens. The hit
         # tokens sit in the request's first blocks (slots == positions), computed by others.
@@ -251,7 +237,7 @@ class VTokenSchedulerMixin:
             st.table.append(hit)
         if self._vt_caching and st.may_evict:
             bs = self._vt_bs
-            own = self._vt_prompt_protected(cfg, request)
+            own = self._vt_prompt_protected(plan, request)
             keep_hit = pol.keeps_hit(prompt_len, hit) if hit else False
             if not keep_hit and hit > own:
                 keep_hit = not self._vt_copy_hit(rid, own // bs, hit // bs)
@@ -553,7 +539,7 @@ class VTokenSchedulerMixin:
         need = payload.scores[rid]
         if end != point:
             need &= ~AttentionNeed.LAST_ROW.value
-        w = getattr(st.policy, "window", None) if need & AttentionNeed.WINDOW.value else None
+        w = getattr(st.plan.policy, "window", None) if need & AttentionNeed.WINDOW.value else None
         if w:
             rows = end - max(end - n, point - w)
             if rows <= 0:
@@ -578,7 +564,7 @@ class VTokenSchedulerMixin:
         tokens itself instead, exactly as if it had come alone."""
         hit = super()._get_local_prefix_cache_hit(request, *args, **kwargs)  # (0.33: max_cache_hit_length)
         now = self._vt_accounting.cached_now
-        if not now or not hit[1] or self._vt_req_cfg.get(request.request_id) is None:
+        if not now or not hit[1] or self._vt_plans.get(request.request_id) is None:
             return hit
         blocks, num_local, boundary, diverged = hit
         first = blocks.blocks[0]
@@ -753,8 +739,7 @@ class VTokenSchedulerMixin:
             payload.offsets = self._vt_offset_updates
             self._vt_offset_updates = {}
         if self._vt_new_states:
-            payload.states = {rid: WorkerSpec(st.policy, st.policy.sink_tokens, st.policy.recent_tokens, st.protected,
-                                              st.cached_tokens, st.cfg.resolved_granularity(), st.shared_tokens)
+            payload.states = {rid: WorkerSpec(st.plan, st.protected, st.cached_tokens, st.shared_tokens)
                               for rid, st in self._vt_new_states.items() if self._vt_states.get(rid) is st}
             self._vt_new_states = {}
 
@@ -823,7 +808,7 @@ class VTokenSchedulerMixin:
         bs = self._vt_bs
         blocks = self._vt_mgr.req_to_blocks.get(rid, [])
         lo = st.floor // bs
-        keep = len(blocks) if st.cfg.mode == "naive" else min(len(blocks), cdiv(live_after + 1, bs))
+        keep = len(blocks) if st.plan.mode == "naive" else min(len(blocks), cdiv(live_after + 1, bs))
         entries = self._vt_copy_cached(blocks, lo, keep)
         if entries is None:
             return False
@@ -1042,7 +1027,7 @@ class VTokenSchedulerMixin:
         rid = request.request_id
         st = self._vt_states.get(rid)
         super()._free_request_blocks(request)
-        if st is not None and not request.is_finished() and st.cfg.mode == "vtoken":
+        if st is not None and not request.is_finished() and st.plan.mode == "vtoken":
             # Preempted: keep the state; the worker saves the live K/V and policy state and
             # restores them at the resume (payload.suspend), which recomputes nothing
             # (_preempt_request: num_computed_tokens = the logical tokens).
@@ -1067,7 +1052,7 @@ class VTokenSchedulerMixin:
                 self._vt_rows_version += 1
                 st.detach()  # its figures stay readable; the row is reused
         if request.is_finished():
-            self._vt_req_cfg.pop(rid, None)
+            self._vt_plans.pop(rid, None)
             self._vt_points.pop(rid, None)
             self._vt_accounting.cache_cap.pop(rid, None)
             self._vt_accounting.admission_cap.pop(rid, None)

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vtoken.config import VTokenConfig
-from vtoken.policies.base import EvictionPolicy
+from vtoken.config import RequestPlan
 
 __all__ = ["RequestState", "VTokenStats", "cdiv"]
 
@@ -36,10 +35,10 @@ class RequestState:
     (:class:`~vtoken.integrations.vllm.sched.counts.CountState`).
     """
 
-    cfg: VTokenConfig
-    budget: int  # tokens
-    slack: int  # tokens
-    policy: EvictionPolicy
+    #: the request's settings, resolved once (:class:`vtoken.config.RequestPlan`)
+    plan: RequestPlan
+    budget: int  # tokens (``plan.budget``; a column of the scheduler's counts)
+    slack: int  # tokens (``plan.slack``)
     prompt_len: int
     table: Any = None
     naive: Any = None
@@ -116,7 +115,7 @@ class RequestState:
         """The finished request's lifetime figures (blocks are time averages over its steps)."""
         n = max(self.steps, 1)
         return dict(
-            req_id=req_id, steps=self.steps, mode=self.cfg.mode, policy=self.cfg.policy, budget=self.budget,
+            req_id=req_id, steps=self.steps, mode=self.plan.mode, policy=self.plan.policy.name, budget=self.budget,
             prompt_len=self.prompt_len, avg_blocks=self.held_block_steps / n, peak_blocks=self.peak_blocks,
             naive_avg_blocks=self.naive_block_steps / n, naive_peak_blocks=self.naive_peak_blocks,
             naive_blocks=self.naive.num_retained_blocks,

@@ -99,8 +99,9 @@ def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_
     if not vtoken_cfg or kv_bytes_per_token <= 0:
         return available
     cfg = VTokenConfig(**vtoken_cfg)
-    gran = cfg.resolved_granularity()
-    side = side_bytes_per_token(cfg.make_policy(), num_sets(gran, num_layers, num_kv_heads))
+    plan = cfg.plan()
+    gran = plan.granularity
+    side = side_bytes_per_token(plan.policy, num_sets(gran, num_layers, num_kv_heads))
     share = 100.0 * side / kv_bytes_per_token
     if blocks_override:
         logger.info("vToken: side cache of policy %s (granularity %s): %d bytes per token (%.2f%% of the KV "
