@@ -1,7 +1,7 @@
 """Markdown tables of the benchmark docs, rendered from the committed result files.
 
-``benchmarks/README.md``, the top-level README and docs/models.md hold these tables between ``<!-- generated: ... -->`` and
-``<!-- end generated -->`` markers; ``tests/test_docs.py`` renders them again from the JSON
+``benchmarks/README.md``, the top-level README and docs/models.md hold these tables between
+``<!-- generated: ... -->`` and ``<!-- end generated -->`` markers; ``tests/test_docs.py`` renders them again from the JSON
 files and checks the docs agree. To refresh the docs after a new run:
 ``python benchmarks/doc_tables.py`` prints every table. Pure JSON -> text (no vLLM, no torch).
 """
@@ -671,6 +671,24 @@ def soak_rss_table(name: str = "soak_rss.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+STEP_COST_RUNS = (("overhead_policies.json", "batch 8"), ("overhead_keyonly_b32.json", "batch 32"),
+                  ("overhead_keyonly_slack.json", "batch 8, slack run"))
+
+
+def step_cost_table(runs: tuple[tuple[str, str], ...] = STEP_COST_RUNS) -> str:
+    """``bench_overhead.py`` runs side by side: per run and arm, the median decode step (ms) and
+    its ratio to the same run's stock arm (median, min-max over the repetitions); the arm names
+    say the policy (``:sl16``: slack 16; the rest slack 0, budget 64, ``@worker``)."""
+    rows = ["| run | arm | median step (ms) | vs stock: median (min-max) |", "|---|---|---|---|"]
+    for name, label in runs:
+        d = _load(name)
+        for model, res in d["results"].items():
+            for arm, r in res.items():
+                ratio = "1" if arm == "stock" else f"{r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+                rows.append(f"| {label} | {arm} | {r['step_ms_median']:.1f} | {ratio} |")
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {"overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
@@ -702,7 +720,8 @@ TABLES = {"overhead_table": overhead_table,
           "sla_512_snapkv_runs_table": lambda: sla_table("sla_at_quality_512_snapkv.json"),
           "sla_512_snapkv_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512_snapkv.json"),
           "retained_blocks_table": retained_blocks_table,
-          "preempt_table": preempt_table, "soak_rss_table": soak_rss_table}
+          "preempt_table": preempt_table, "soak_rss_table": soak_rss_table,
+          "step_cost_table": step_cost_table}
 
 
 if __name__ == "__main__":

@@ -1,17 +1,17 @@
 """The docs agree with the code and with the committed result files (no engine; a few seconds).
 
 - README.md is a short front page: at most 12 KB, it starts with the two set-up commands, and its
-  configuration examples are valid.
+  configuration examples are valid; docs/*.md and benchmarks/README*.md come to at most 100 KB.
 - Generated tables (between ``<!-- generated: ... -->`` and ``<!-- end generated -->``) equal
   what their generator prints now: the config and metrics tables of docs/configuration.md
-  (``vtoken config --format markdown``, ``metrics_table_markdown``) and the benchmark tables of
-  benchmarks/README.md and README_sla.md (``benchmarks/doc_tables.py``). docs/configuration.md's refusals block
+  (``vtoken config --format markdown``, ``metrics_table_markdown``) and the result tables of
+  README.md, docs/models.md and benchmarks/README.md (``benchmarks/doc_tables.py``). docs/configuration.md's refusals block
   is checked by ``tests/integration/test_refusals.py``.
 - Every file path cited in README.md, docs/*.md and benchmarks/*.md exists, and every relative
   markdown link (and its ``#anchor``) resolves from the page that holds it.
 - docs/layout.md names every module of ``vtoken/`` and every module that imports vllm.
-- The result figures (benchmarks/README.md, README_sla.md, the README's first-start time) equal
-  the values in the result file each one names.
+- The result figures (benchmarks/README.md, the README's) equal the values in the result file
+  each one names.
 """
 
 from __future__ import annotations
@@ -58,6 +58,30 @@ def _bench() -> str:
 def test_readme_is_at_most_12_kb():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes (at most {README_MAX_BYTES}): move detail into docs/"
+
+
+#: docs/*.md and the benchmark READMEs together (issue 44: one subject per doc, results as tables)
+DOCS_MAX_BYTES = 100_000
+
+
+def _size_limited_docs(root: Path = ROOT) -> list[Path]:
+    return [*sorted((root / "docs").glob("*.md")), *sorted((root / "benchmarks").glob("README*.md"))]
+
+
+def test_docs_and_benchmark_readmes_are_at_most_100_kb():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_bytes()) for p in _size_limited_docs()}
+    total = sum(sizes.values())
+    assert total <= DOCS_MAX_BYTES, (f"docs/*.md + benchmarks/README*.md are {total} bytes (at most {DOCS_MAX_BYTES}): "
+                                     f"cut history and repetition, or make repeated figures a generated table; {sizes}")
+
+
+def test_docs_size_check_can_fail(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("x" * 60_000)
+    (tmp_path / "benchmarks" / "README_x.md").write_text("y" * 50_000)
+    (tmp_path / "benchmarks" / "notes.md").write_text("z" * 10)  # not a README: not counted
+    assert sum(len(p.read_bytes()) for p in _size_limited_docs(tmp_path)) == 110_000 > DOCS_MAX_BYTES
 
 
 def test_readme_starts_with_the_two_commands():
@@ -363,6 +387,11 @@ def _lead(text: str, start: str) -> str:
     return " ".join(text[i: min(ends) if ends else len(text)].split())
 
 
+def _makefile_cmd(target: str) -> str:
+    make = (ROOT / "Makefile").read_text().split(f"\n{target}: assets\n")[1].split("\n\n")[0]
+    return " ".join(make.replace("\\\n", " ").split())
+
+
 def test_benchmarks_readme_tables_are_generated():
     """Every ``doc_tables.py`` block of benchmarks/README.md equals what its generator prints now,
     and the benchmarks' main tables are there."""
@@ -370,7 +399,7 @@ def test_benchmarks_readme_tables_are_generated():
     text = _bench()
     names = re.findall(r"<!-- generated: benchmarks/doc_tables\.py (\w+) -->", text)
     assert {"retained_blocks_table", "concurrency_chunks_table", "quality_scale_table", "sla_at_quality_table",
-            "sla_512_snapkv_table", "overhead_policies_table", "scheduler_table", "preempt_table",
+            "sla_512_snapkv_table", "step_cost_table", "scheduler_table", "preempt_table",
             "soak_rss_table", "tasks_table"} <= set(names)
     for name in names:
         assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name](), name
@@ -430,13 +459,12 @@ def test_quality_scale_figures_match_result():
     sec = _lead(_bench(), "**Pacing**")
     assert d["oracle"]["config"]["n_conv"] == 40
     assert f"full cache {rows[('full', None, None)]['nll']:.3f} nats/token" in sec
-    for pol, label in (("h2o", "H2O"), ("tova", "TOVA")):
-        f, pr = rows[(pol, 128, "fixed")], rows[(pol, 128, "pressure")]
-        assert f"{label} +{f['delta_nll']:.3f} -> +{pr['delta_nll']:.3f}" in sec
+    # "at budget 128 pressure pacing halves or better every policy's cost"
     assert all(rows[(p, 128, "pressure")]["delta_nll"] <= rows[(p, 128, "fixed")]["delta_nll"] / 2
                for p in d["oracle"]["config"]["policies"])
+    assert round(rows[("h2o", 128, "pressure")]["mean_final_live"], -1) == 590 and "about 590" in sec
     best = min(d["oracle"]["config"]["policies"], key=lambda p: rows[(p, 512, "fixed")]["delta_nll"])
-    assert best == "tova" and "At budget 512 with fixed pacing TOVA does best" in sec
+    assert best == "tova" and "at budget 512 with fixed pacing TOVA does best" in sec
 
 
 def test_quality_prefill_figures_match_result():
@@ -474,15 +502,15 @@ def test_quality_granularity_and_keyonly_figures_match_results():
     by = {(r["policy"], r["budget"], r["pacing"], r["granularity"]): r for r in d["oracle"]["summary"]
           if r["policy"] != "full"}
     req, head = by[("h2o", 128, "fixed", "request")], by[("h2o", 128, "fixed", "head")]
-    assert f"(+{req['delta_nll']:.3f} -> +{head['delta_nll']:.3f} nats)" in " ".join(_bench().split())
-    assert f"every block it ever held ({head['naive_blocks']:.0f}) against vToken's {head['vtoken_blocks']:.0f}" in \
-        " ".join(_bench().split())
+    # "Per-head sets nearly halve H2O's cost at budget 128 and leave Naive-Evict holding every block"
+    assert "Per-head sets nearly halve H2O's cost at budget 128" in sec and 0.5 <= head["delta_nll"] / req["delta_nll"] < 0.6
+    assert head["naive_blocks"] == -(-(1024 + 32) // 32) and head["vtoken_blocks"] < head["naive_blocks"] / 5
     ko = {(r["policy"], r["budget"]): r for r in _load("quality_keyonly.json")["oracle"]["summary"]}
-    assert f"at 512 Expected Attention is within +{ko[('expected_attention', 512)]['delta_nll']:.3f} of the full cache" \
-        in " ".join(_bench().split())
-    h2o = [r for r in d["oracle"]["summary"] if (r["policy"], r["budget"], r["pacing"], r.get("granularity"))
-           == ("h2o", 128, "fixed", "head")][0]
-    assert all(ko[(p, 128)]["delta_nll"] > h2o["delta_nll"] for p in ("knorm", "keydiff", "expected_attention"))
+    sec = _lead(_bench(), "**Key-only policies** (`python")
+    h2o = {b: by[("h2o", b, "fixed", "head")]["delta_nll"] for b in (128, 512)}
+    assert "None comes near H2O at budget 128; at 512 Expected Attention comes close" in sec
+    assert all(ko[(p, 128)]["delta_nll"] > 3 * h2o[128] for p in ("knorm", "keydiff", "expected_attention"))
+    assert ko[("expected_attention", 512)]["delta_nll"] - h2o[512] < 0.1
 
 
 # ----------------------------------------------------------------------------- SLA (benchmarks/README.md, "SLA")
@@ -556,41 +584,21 @@ def test_sla_at_quality_findings_quote_the_result_file():
     sec = _lead(_bench(), "**At a quality, budget 128**")
     d = _load("sla_at_quality.json")
     A, rc = d["arms"], doc_tables.sla_common_rate(d)
-    at = {n: next(x for x in a["runs"] if x["rate"] == rc) for n, a in A.items()}
-    un = {n: a["unloaded"]["p50_tpot_ms"] for n, a in A.items()}
-    assert rc == 0.75 and A["stock"]["sla_rate"] == 0.75 and "Stock meets the SLOs up to 0.75 req/s" in sec
+    assert rc == 0.75 and A["stock"]["sla_rate"] == 0.75 and "stock meets the SLOs up to 0.75 req/s" in sec
     assert all(a["sla_rate"] is None or a["sla_rate"] < 0.75 for n, a in A.items() if n != "stock")
-    assert f"TPOT SLO {d['slo']['tpot_ms']:.0f} ms (2 x stock's unloaded {un['stock']:.1f} ms)" in sec
-    fixed = [n for n in A if n != "stock" and not n.endswith("-pressure")]
-    attn = [n for n in fixed if any(p in n for p in ("h2o", "tova", "snapkv"))]
-    keyonly = [n for n in fixed if n not in attn]
-    assert f"take {_span([un[n] for n in attn], '{:.1f}')} ms a token, the key-only ones " \
-           f"{_span([un[n] for n in keyonly], '{:.1f}')} ms" in sec
-    kv = lambda n: at[n]["kv_cache_usage_perc_mean"] * 100  # noqa: E731
-    vt = [kv(n) for n in fixed if n.startswith("vtoken-")]
-    nv = [kv(n) for n in fixed if n.startswith("naive-")]
-    assert f"{_span(vt, '{:.0f}')} % of the pool against Naive-Evict's {_span(nv, '{:.0f}')} % at 0.75 req/s" in sec
+    # "one request at a time every evicting arm is already slower than stock"
+    un = {n: a["unloaded"]["p50_tpot_ms"] for n, a in A.items()}
+    assert all(v > un["stock"] for n, v in un.items() if n != "stock")
+    assert "vToken holds about half Naive-Evict's KV cache and never preempts" in sec
     assert all(sum(x["preemptions"] for x in A[n]["runs"]) == 0 for n in A if n.startswith("vtoken-"))
-    rows = {r["policy"]: r for r in doc_tables.sla_at_quality_rows()}
-    assert f"(H2O: {rows['h2o']['quality']['delta_nll']:+.3f})" in sec
-    assert min(r["quality"]["delta_nll"] for r in rows.values()) > 0.3
+    rows = doc_tables.sla_at_quality_rows()
+    assert "No policy is within ΔNLL +0.3 here" in sec and min(r["quality"]["delta_nll"] for r in rows) > 0.3
 
 
-def test_sla_keyonly_findings_quote_the_result_file():
-    sec = _lead(_bench(), "**Key-only policies after the step-cost cuts**")
+def test_sla_keyonly_run_is_the_makefiles():
     d = _load("sla_at_quality_keyonly.json")
-    rate = {n: a["sla_rate"] for n, a in d["arms"].items()}
-    assert rate["stock"] == rate["vtoken-knorm-worker-pressure"] == rate["vtoken-keydiff-worker-pressure"] == 0.75
-    assert "K-norm and KeyDiff serve at stock's SLA rate (0.75 req/s)" in sec
-    ratio = rate["vtoken-keydiff-worker-pressure"] / rate["naive-keydiff-worker"]
-    assert ratio >= 1.5 and f"KeyDiff at {ratio:.2f}x its Naive-Evict arm" in sec
-    assert all(rate[f"vtoken-{p}-worker"] < rate[f"naive-{p}-worker"] for p in ("knorm", "keydiff"))
-    assert "vToken lands one grid step below Naive-Evict" in sec
-
-
-def _makefile_cmd(target: str) -> str:
-    make = (ROOT / "Makefile").read_text().split(f"\n{target}: assets\n")[1].split("\n\n")[0]
-    return " ".join(make.replace("\\\n", " ").split())
+    assert "`make bench-sla-keyonly` -> `results/sla_at_quality_keyonly.json`" in " ".join(_bench().split())
+    assert _makefile_cmd("bench-sla-keyonly").endswith(" ".join(d["command"].split()[1:]))
 
 
 def test_sla_512_snapkv_findings_quote_the_result_file():
@@ -605,7 +613,8 @@ def test_sla_512_snapkv_findings_quote_the_result_file():
     assert A[nv]["sla_rate"] == A["stock"]["sla_rate"]
     q = _doc_tables().sla_at_quality_rows("sla_at_quality_512_snapkv.json")[0]["quality"]
     assert q["delta_nll"] <= 0.3 and h["ratios"][vt]["vtoken_over_naive"] >= 1.5
-    assert f"vToken serves {h['ratios'][vt]['vtoken_over_naive']:.2f}x Naive-Evict's and stock's SLA rate" in sec
+    assert h["ratios"][vt]["vtoken_over_naive"] == A[vt]["sla_rate"] / A["stock"]["sla_rate"] == 3.0
+    assert "Within ΔNLL +0.3, 3x Naive-Evict's SLA rate" in sec
     assert max(x["num_requests_running_max"] for x in A[nv]["runs"]) == 2 and "runs at most 2 requests at a time" in sec
     assert A[vt]["unloaded"]["p50_tpot_ms"] <= A["stock"]["unloaded"]["p50_tpot_ms"]
 
@@ -614,12 +623,11 @@ def test_sla_512_findings_quote_the_result_file():
     sec = _lead(_bench(), "**TOVA at budget 512**")
     d = _load("sla_at_quality_512.json")
     A = d["arms"]
-    assert _makefile_cmd("bench-sla-512") == "$(PY) " + d["command"].removeprefix("python ") or \
-        _makefile_cmd("bench-sla-512").endswith(" ".join(d["command"].split()[1:]))
+    assert _makefile_cmd("bench-sla-512").endswith(" ".join(d["command"].split()[1:]))
+    # "no vToken arm keeps 90 % even at the lowest rate"; "every token slower than stock's"
+    assert "no vToken arm keeps 90 % even at the lowest rate" in sec
     assert all(A[n]["sla_rate"] is None for n in A if n.startswith("vtoken"))
-    un = {n: a["unloaded"]["p50_tpot_ms"] for n, a in A.items()}
-    r = sorted(un[n] / un["stock"] for n in ("naive-tova-worker", "vtoken-tova-worker"))
-    assert f"it takes {r[0]:.2f}-{r[1]:.2f}x stock's time per token" in sec
+    assert all(a["unloaded"]["p50_tpot_ms"] > A["stock"]["unloaded"]["p50_tpot_ms"] for n, a in A.items() if n != "stock")
     # the Naive-Evict arm is the rerun (make bench-sla-512-naive)
     rr, rerun = A["naive-tova-worker"]["rerun"], _load("sla_at_quality_512_naive.json")
     assert rr["command"] == rerun["command"] and A["naive-tova-worker"]["runs"] == rerun["arms"]["naive-tova-worker"]["runs"]
@@ -633,71 +641,44 @@ def test_sla_budget_64_figures_match_results():
     sec = _lead(_bench(), "**Budget 64, Random and H2O**")
     d = _load("sla.json")
     assert d["config"]["num_prompts"] == 24 and d["config"]["budget"] == 64 and "24 prompts a rate" in sec
-    r = d["headline"]["ratios"]["vtoken-random-pressure"]
-    assert r["vtoken_over_naive"] == 2.0 and d["arms"]["vtoken-random-pressure"]["sla_rate"] == 1.0
-    assert d["arms"]["naive-random"]["sla_rate"] == 0.5 and "2.00x Naive-Evict's SLA rate (1 vs 0.5 req/s" in sec
+    assert d["headline"]["ratios"]["vtoken-random-pressure"]["vtoken_over_naive"] == 2.0
+    flat = " ".join(_bench().split())
+    assert "the 2x of the coarse grid is not a precise ratio" in flat
     assert all(a["sla_rate"] is None for n, a in d["arms"].items() if "h2o" in n)
+    assert "H2O misses the TPOT SLO in every arm" in flat
     fine = doc_tables.sla_merged_runs()
     assert fine["vtoken-random"]["sla_rate"] == fine["vtoken-random-pressure"]["sla_rate"] == 0.75
     assert fine["naive-random"]["sla_rate"] is None
     assert next(x for x in fine["naive-random"]["runs"] if x["rate"] == 0.5)["attainment"] < 0.9
+    assert "both vToken arms hold 90 % up to 0.75 req/s, Naive-Evict not even at 0.5" in flat
     assert all(x["preemptions"] == 0 for a in ("vtoken-random", "vtoken-random-pressure") for x in fine[a]["runs"])
-    flat = " ".join(_bench().split())
-    assert "Both vToken arms hold 90 % up to 0.75 req/s where Naive-Evict misses it at 0.5" in flat
 
 
 # ----------------------------------------------------------------------------- step cost
-def test_step_cost_per_policy_figures():
-    d = _load("overhead_policies.json")
-    r = d["results"]["smollm2"]
-    sec = _lead(_bench(), "**Per policy**")
-    assert f"`{d['command']}`" in sec.replace("` -> `results/overhead_policies.json`", "`")
-    assert f"K-norm costs {r['evict-knorm@worker']['ratio_median']:.2f}x" in sec
-    attn = [r[a]["ratio_median"] for a in ("evict-h2o", "evict-h2o@worker", "evict-tova@worker",
-                                            "evict-scissorhands@worker")]
-    assert f"any attention-scored policy ({min(attn):.2f}-{max(attn):.2f}x)" in sec
-    assert f"brings it to {r['evict-keydiff@worker']['ratio_median']:.2f}x here" in sec
-    assert f"query moments of every step to {r['evict-expected_attention@worker']['ratio_median']:.2f}x" in sec
-    la = [x["load_average_1m"] for x in d["runs"]]
-    assert f"load average {min(la):.1f}-{max(la):.1f} while it ran" in sec
-    small = _load("overhead_small.json")["results"]["smollm2"]["noevict"]
-    assert f"{small['ratio_median']:.2f}x)" in sec
-
-
-def test_step_cost_at_batch_32():
-    d = _load("overhead_keyonly_b32.json")
-    assert d["config"]["batch"] == 32
-    r = d["results"]["smollm2"]
-    sec = _lead(_bench(), "**At batch 32**")
-    assert f"`{d['command']}`" in sec.replace("` -> `results/overhead_keyonly_b32.json`", "`")
-    assert f"K-norm's evicting step costs {r['evict-knorm@worker']['ratio_median']:.2f}x stock here" in sec
-    assert r["evict-knorm@worker"]["ratio_median"] <= 1.05
-    assert f"(Random {r['evict-random@worker']['ratio_median']:.2f}x" in sec
-    assert f"KeyDiff ({r['evict-keydiff@worker']['ratio_median']:.2f}x)" in sec
-    assert f"Expected Attention ({r['evict-expected_attention@worker']['ratio_median']:.2f}x)" in sec
-    la = [x["load_average_1m"] for x in d["runs"]]
-    assert f"{d['total_wall_s']:.0f} s, 1-minute load average {min(la):.1f}-{max(la):.1f}" in sec
-
-
-def test_step_cost_with_a_slack():
-    """The figures quoted are the result's, and the arms ran with the slack the text names (16)
-    against slack 0."""
-    d = _load("overhead_keyonly_slack.json")
-    sec = _lead(_bench(), "**With a slack**")
-    assert f"`{d['command']}`" in sec.replace("` -> `results/overhead_keyonly_slack.json`", "`")
-    arms, r = d["config"]["arms"], d["results"]["smollm2"]
+def test_step_cost_figures_match_results():
+    """The three bench_overhead.py runs of the step-cost table: their commands, the arms' configs,
+    and what the prose says of them."""
+    sec = " ".join(_heading(_bench(), "Step cost").split("**Where a decode step")[0].split())
+    d = {n: _load(f"{n}.json") for n in ("overhead_policies", "overhead_keyonly_b32", "overhead_keyonly_slack")}
+    for n, x in d.items():
+        assert f"`{x['command']}` -> `results/{n}.json`" in sec, n
+    r8, r32, rs = (x["results"]["smollm2"] for x in d.values())
+    assert d["overhead_keyonly_b32"]["config"]["batch"] == 32 and d["overhead_policies"]["config"]["batch"] == 8
+    # "K-norm costs the least of the scored policies"; "(within 1.05x at batch 32)"
+    scored = [a for a in r8 if a not in ("stock", "evict-random@worker")]
+    assert min(scored, key=lambda a: r8[a]["ratio_median"]) == "evict-knorm@worker"
+    assert "K-norm costs the least of the scored policies" in sec
+    assert r32["evict-knorm@worker"]["ratio_median"] <= 1.05 and "(within 1.05x at batch 32)" in sec
+    # a slack of 16 amortizes the eviction-time read, at 64-80 live tokens instead of 64
+    arms = d["overhead_keyonly_slack"]["config"]["arms"]
     assert arms["evict-keydiff:sl16@worker"]["slack"] == 16 and arms["evict-keydiff@worker"]["slack"] == 0
-    assert d["config"]["batch"] == 8
-    med = lambda a: r[a]["ratio_median"]  # noqa: E731
-    assert f"KeyDiff's mean step then costs {med('evict-keydiff:sl16@worker'):.2f}x stock " \
-           f"({med('evict-keydiff@worker'):.2f}x with slack 0 in this run)" in sec
-    assert f"Expected Attention's {med('evict-expected_attention:sl16@worker'):.2f}x " \
-           f"({med('evict-expected_attention@worker'):.2f}x)" in sec
-    la = [x["load_average_1m"] for x in d["runs"]]
-    assert f"{d['total_wall_s']:.0f} s, 1-minute load average {min(la):.1f}-{max(la):.1f}" in sec
-    st = {x["arm"]: x["vtoken_stats"] for x in d["runs"] if x["rep"] == 0}["evict-keydiff:sl16@worker"]
-    assert st["evictions"] == 8 * (128 // 16) and st["retained_blocks"] == 8 * 3
-    assert "holds 64-80 live tokens instead of 64 (here still 3 blocks of 32)" in sec
+    for p in ("keydiff", "expected_attention"):
+        assert rs[f"evict-{p}:sl16@worker"]["ratio_median"] < rs[f"evict-{p}@worker"]["ratio_median"]
+    st = {x["arm"]: x["vtoken_stats"] for x in d["overhead_keyonly_slack"]["runs"] if x["rep"] == 0}
+    assert st["evict-keydiff:sl16@worker"]["evictions"] == 8 * (128 // 16)
+    assert "64-80 live tokens instead of 64" in sec
+    small = _load("overhead_small.json")["results"]["smollm2"]["noevict"]
+    assert abs(small["ratio_median"] - 1) <= 0.02 and "With nothing to evict vToken costs nothing measurable" in sec
 
 
 def test_step_split_figures_match_result():
@@ -706,28 +687,25 @@ def test_step_split_figures_match_result():
     sec = _lead(_bench(), "**Where a decode step's time goes**")
     assert "`python benchmarks/bench_step_split.py`" in sec
     res = d["results"]
-    assert f"Random steps at {res['vtoken-random']['step_over_stock']:.2f}x stock" in sec
-    assert res["vtoken-h2o-pressure"]["median_ms"]["scoring"] > res["vtoken-h2o"]["median_ms"]["scoring"]
-    assert res["vtoken-random"]["median_ms"]["forward"] < res["stock"]["median_ms"]["forward"]
+    assert res["vtoken-h2o-pressure"]["median_ms"]["scoring"] > res["vtoken-h2o"]["median_ms"]["scoring"] > 0
+    assert "eviction makes the forward cheaper" in sec
+    assert all(res[a]["median_ms"]["forward"] < res["stock"]["median_ms"]["forward"]
+               for a in ("vtoken-h2o", "vtoken-random"))
 
 
 def test_scheduler_host_time_matches_result():
-    """The figures quoted above the host-time table equal results/bench_scheduler.json (stock, h2o
-    and random with vToken's default config)."""
+    """The figures quoted for results/bench_scheduler.json (stock, h2o and random with vToken's
+    default config), and the README's."""
     d = _load("bench_scheduler.json")
     assert d["config"]["arms"] == ["stock", "h2o", "random"]
-    flat = _lead(_bench(), "**Scheduler host time at GPU scale**")
+    flat = _lead(_bench(), "**Scheduler host time**")
     assert f"`{d['command'].split(' ', 1)[1]}`" in flat
     ratio = {(c["num_requests"], c["live"], a): c["arms"][a]["total"]["median_ms"] / c["arms"]["stock"]["total"]["median_ms"]
              for c in d["cells"] for a in ("h2o", "random")}
     assert {(r, L) for r, L, _ in ratio} == {(r, L) for r in (256, 512) for L in (1024, 4096)}
-    assert f"host time per step is {min(ratio.values()):.2f}-{max(ratio.values()):.2f}x stock's" in flat
     assert "within the 1.2x target at every cell" in flat and max(ratio.values()) <= 1.2
-    fastest = [c["arms"][a]["total"]["min_ms"] / c["arms"]["stock"]["total"]["min_ms"]
-               for c in d["cells"] for a in ("h2o", "random")]
-    assert f"the fastest steps' ratio is {min(fastest):.2f}-{max(fastest):.2f}x" in flat
-    pre = [c["arms"][a]["evict"]["median_ms"] for c in d["cells"] for a in ("h2o", "random")]
-    assert f"is {min(pre):.2f}-{max(pre):.2f} ms a step" in flat
+    readme = " ".join(_readme().split())
+    assert f"host time per step is {min(ratio.values()):.2f}-{max(ratio.values()):.2f}x stock's at 256-512 requests" in readme
     for c in d["cells"]:
         for a in ("h2o", "random"):
             rec = c["arms"][a]
@@ -772,19 +750,12 @@ def test_prefix_cache_figures_match_result():
     c = d["copy_cost"]
     assert f"({c['ms_per_block']:.2f} ms, {c['bytes_per_block'] / 2**20:.2f} MB)" in sec
     s, tv, sk = arms["stock"], arms["vtoken_tova"], arms["vtoken_skip"]
-    assert (f"{tv['prefix_cache_hit_rate'] * 100:.0f} % of the prompt tokens hit against "
-            f"{s['prefix_cache_hit_rate'] * 100:.0f} %") in sec
-    assert f"TOVA holds {(1 - tv['blocks_mean'] / s['blocks_mean']) * 100:.0f} % fewer blocks on average " \
-           f"(peak {tv['blocks_peak']:.0f} against {s['blocks_peak']:.0f})" in sec
     readme = " ".join(_readme().split())
     assert (f"`python benchmarks/bench_prefix_cache.py`): {tv['prefix_cache_hit_rate'] * 100:.0f} % of prompt tokens "
             f"hit against stock's {s['prefix_cache_hit_rate'] * 100:.0f} %, with "
             f"{(1 - tv['blocks_mean'] / s['blocks_mean']) * 100:.0f} % fewer blocks held on average") in readme
-    assert all(a["copy_ms_est"] < 0.01 * a["wall_s"] * 1e3 for a in arms.values() if a.get("copy_ms_est") is not None)
-    assert (f"({sk['prefix_reads_skipped']:.0f} of {sk['requests']} requests computed their whole prompt: 0 % hits)"
-            in sec and sk["prefix_cache_hits"] == 0 and sk["prefix_reads_skipped"] == sk["requests"])
-    assert f"holds the fewest blocks ({sk['blocks_mean']:.1f} on average)" in sec
-    assert sk["blocks_mean"] == min(a["blocks_mean"] for a in arms.values())
+    assert "with `prefix_hits: skip` H2O reads no cache" in sec
+    assert sk["prefix_cache_hits"] == 0 and sk["prefix_reads_skipped"] == sk["requests"]
     assert all(a["prefix_cache_hit_rate"] > 0.5 for n, a in arms.items() if n != "vtoken_skip")
 
 
@@ -795,11 +766,9 @@ def test_longest_prompt_figures_match_result():
     arms = {a["arm"]: a for a in d["arms"]}
     assert f"a pool of {d['args']['blocks']} blocks of 32 ({d['pool_tokens']:,} usable tokens)" in sec
     ch = arms["vtoken_chunks"]
-    assert f"serves {ch['longest_served']:,} tokens" in sec and ch["longest_served"] > 3 * d["pool_tokens"]
+    assert round(ch["longest_served"] / d["pool_tokens"]) == 4 and "serves a prompt about 4x the pool" in sec
     assert all(arms[a]["longest_served"] < d["pool_tokens"] for a in ("stock", "naive", "vtoken_after"))
-    peak = max(r["peak_blocks"] for r in ch["runs"])
-    assert f"holding at most {peak} blocks" in sec
-    assert peak <= -(-(d["args"]["budget"] + d["args"]["chunk"] + 1) // 32)
+    assert max(r["peak_blocks"] for r in ch["runs"]) <= -(-(d["args"]["budget"] + d["args"]["chunk"] + 1) // 32)
 
 
 def test_preemption_result_recomputes_one_token():
