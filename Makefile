@@ -158,7 +158,7 @@ $(RAY_VENV)/.installed: $(VENV)/.installed
 bench-ray-serve: assets $(RAY_VENV)/.installed
 	$(RAY_VENV)/bin/python benchmarks/bench_ray_serve.py $(BENCH_RAY_SERVE_ARGS)
 
-# Full versions (hours on 2 cores; see benchmarks/README.md for each one's run time).
+# Full versions (hours on 2 cores; the results: benchmarks/README.md).
 bench-full: assets
 	$(VPY) benchmarks/bench_all.py
 

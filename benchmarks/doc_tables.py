@@ -1,7 +1,7 @@
 """Markdown tables of the benchmark docs, rendered from the committed result files.
 
-``benchmarks/README_sla.md`` and the top-level README hold these tables between ``<!-- generated: ... -->`` and
-``<!-- end generated -->`` markers; ``tests/test_docs.py`` renders them again from the JSON
+``benchmarks/README.md``, the top-level README and docs/models.md hold these tables between
+``<!-- generated: ... -->`` and ``<!-- end generated -->`` markers; ``tests/test_docs.py`` renders them again from the JSON
 files and checks the docs agree. To refresh the docs after a new run:
 ``python benchmarks/doc_tables.py`` prints every table. Pure JSON -> text (no vLLM, no torch).
 """
@@ -19,7 +19,7 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
-def sla_table(name: str = "sla_small.json") -> str:
+def sla_table(name: str = "sla.json") -> str:
     """One row per (arm, rate) of a ``bench_sla.py`` result: attainment, throughput, latencies
     (ms), preemptions, queue and KV-cache use, machine load."""
     d = _load(name)
@@ -38,7 +38,7 @@ def sla_table(name: str = "sla_small.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-def sla_unloaded_table(name: str = "sla_small.json") -> str:
+def sla_unloaded_table(name: str = "sla.json") -> str:
     """Unloaded (one request at a time) P50 TTFT / TPOT per arm, and each arm's server start-up."""
     d = _load(name)
     rows = ["| arm | unloaded P50 TTFT (ms) | unloaded P50 TPOT (ms) | server start-up (s) |", "|---|---|---|---|"]
@@ -630,15 +630,70 @@ def worker_step_table(name: str = "bench_worker_step.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "overhead_table": overhead_table,
+def retained_blocks_table(name: str = "retained_blocks_full.json", model: str = "smollm2") -> str:
+    """``bench_retained_blocks.py --full``: per policy and budget, the time-average blocks a request
+    holds with no eviction, under Naive-Evict, under vToken and ideally (``ceil(kept/B)``), and
+    vToken's reduction against Naive-Evict, at block sizes 32 and 64."""
+    s = {(r["policy"], r["budget"], r["block_size"]): r for r in _load(name)["summary"] if r["model"] == model}
+    rows = ["| policy | budget | B=32: no eviction / Naive-Evict / vToken / ideal | B=32 reduction "
+            "| B=64: Naive-Evict / vToken | B=64 reduction |", "|---|---|---|---|---|---|"]
+    for pol in dict.fromkeys(p for p, _, _ in s):
+        for b in sorted({b for p, b, _ in s if p == pol}):
+            a, c = s[(pol, b, 32)], s[(pol, b, 64)]
+            rows.append(f"| {pol} | {b} | {a['full_avg']:.1f} / {a['naive_avg']:.1f} / {a['vtoken_avg']:.1f} / "
+                        f"{a['ideal_avg']:.1f} | **{100 * a['reduction_avg']:.1f} %** | {c['naive_avg']:.1f} / "
+                        f"{c['vtoken_avg']:.1f} | **{100 * c['reduction_avg']:.1f} %** |")
+    return "\n".join(rows) + "\n"
+
+
+def preempt_table(name: str = "preempt_recompute.json") -> str:
+    """``bench_preempt.py``: per token-set granularity, the tokens vLLM schedules when a preempted
+    request resumes, against what a re-prefill of the live tokens or stock's re-prefill computes."""
+    rows = ["| granularity | preemptions | live / logical at preemption | scheduled at the resume "
+            "| re-prefill of the live tokens | stock re-prefill | blocks after the resume |",
+            "|---|---|---|---|---|---|---|"]
+    for gran, v in _load(name)["granularity"].items():
+        r, = v["resumes"]
+        rows.append(f"| {gran} | {v['preemptions']} | {r['live']} / {r['logical']} | {r['scheduled']} "
+                    f"| {r['live'] + 1} | {r['logical'] + 1} | {r['blocks']} |")
+    return "\n".join(rows) + "\n"
+
+
+def soak_rss_table(name: str = "soak_rss.json") -> str:
+    """``soak.py --rss-every``: per server process, VmRSS growth (MiB) from the sample after the
+    warm-up to the last one, stock against vToken, and the verdict's rule."""
+    v = _load(name)["verdict"]
+    rows = [f"| process | growth after {v['warmup_requests']} requests, stock (MiB) | vToken (MiB) |",
+            "|---|---|---|"]
+    for proc, g in v["all_processes_mib"].items():
+        if proc != "resource_tracker":
+            rows.append(f"| {proc} | {g['stock']:+.2f} | {g['vtoken']:+.2f} |")
+    return "\n".join(rows) + "\n"
+
+
+STEP_COST_RUNS = (("overhead_policies.json", "batch 8"), ("overhead_keyonly_b32.json", "batch 32"),
+                  ("overhead_keyonly_slack.json", "batch 8, slack run"))
+
+
+def step_cost_table(runs: tuple[tuple[str, str], ...] = STEP_COST_RUNS) -> str:
+    """``bench_overhead.py`` runs side by side: per run and arm, the median decode step (ms) and
+    its ratio to the same run's stock arm (median, min-max over the repetitions); the arm names
+    say the policy (``:sl16``: slack 16; the rest slack 0, budget 64, ``@worker``)."""
+    rows = ["| run | arm | median step (ms) | vs stock: median (min-max) |", "|---|---|---|---|"]
+    for name, label in runs:
+        d = _load(name)
+        for model, res in d["results"].items():
+            for arm, r in res.items():
+                ratio = "1" if arm == "stock" else f"{r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+                rows.append(f"| {label} | {arm} | {r['step_ms_median']:.1f} | {ratio} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {"overhead_table": overhead_table,
           "quality_scale_table": quality_scale_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
           "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
           "sla_fine_table": sla_fine_table, "step_split_table": step_split_table,
-          "step_split_elementwise_table": lambda: step_split_table("step_split_elementwise_gather.json"),
-          "sla_h2o_faster_headline_table": lambda: sla_headline_table("sla_h2o_faster_scoring.json"),
-          "sla_h2o_faster_table": lambda: sla_table("sla_h2o_faster_scoring.json"),
-          "sla_h2o_faster_unloaded_table": lambda: sla_unloaded_table("sla_h2o_faster_scoring.json"),
           "scheduler_table": scheduler_table, "worker_step_table": worker_step_table, "granularity_cost_table": granularity_cost_table,
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
@@ -663,7 +718,10 @@ TABLES = {"sla_table": sla_table, "sla_unloaded_table": sla_unloaded_table, "ove
           "sla_512_snapkv_table": lambda: sla_at_quality_table("sla_at_quality_512_snapkv.json"),
           "sla_512_snapkv_headline_table": lambda: sla_headline_table("sla_at_quality_512_snapkv.json"),
           "sla_512_snapkv_runs_table": lambda: sla_table("sla_at_quality_512_snapkv.json"),
-          "sla_512_snapkv_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512_snapkv.json")}
+          "sla_512_snapkv_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512_snapkv.json"),
+          "retained_blocks_table": retained_blocks_table,
+          "preempt_table": preempt_table, "soak_rss_table": soak_rss_table,
+          "step_cost_table": step_cost_table}
 
 
 if __name__ == "__main__":

@@ -303,42 +303,9 @@ def test_tasks_exist_in_lm_eval():
     assert set(bt.LEFT_OUT) <= names, set(bt.LEFT_OUT) - names
 
 
-def test_benchmarks_readme_smoke_figures_equal_the_result():
-    p = ROOT / "benchmarks" / "results" / "tasks_smoke.json"
-    if not p.exists():
-        pytest.skip("benchmarks/results/tasks_smoke.json not committed")
-    d = json.loads(p.read_text())
-    text = (ROOT / "benchmarks" / "README.md").read_text()
-    sec = " ".join(text[text.index("**Smoke** (`python benchmarks/bench_tasks.py"):].split("\n\n")[0].split())
-    assert f"`{d['command']}` -> `results/tasks_smoke.json`" in sec
-    cells = {c["arm"]: c for c in d["cells"]}
-    assert f"{cells['stock']['length'] // 1024}k tokens, {cells['stock']['n']} samples" in sec
-    assert f"mean prompt {cells['stock']['kv']['mean_prompt_tokens']} tokens, {d['total_wall_s']:.0f} s" in sec
-    assert f"stock {cells['stock']['correct']}/{cells['stock']['n']};" in sec
-    h2o = cells["h2o-25pct"]
-    assert (f"H2O at 25 % ({h2o['kv']['mean_kept_tokens']} tokens kept, {h2o['kv_kept_fraction']:.2f} of stock's) "
-            f"{h2o['correct']}/{h2o['n']}") in sec
-    snap = cells["snapkv-25pct"]
-    assert f"SnapKV at 25 % {snap['correct']}/{snap['n']}" in sec
-
-
-def test_benchmarks_readme_budget_slice_figures_equal_the_result():
-    p = ROOT / "benchmarks" / "results" / "tasks_niah_single_1_1k.json"
-    if not p.exists():
-        pytest.skip("benchmarks/results/tasks_niah_single_1_1k.json not committed")
-    d = json.loads(p.read_text())
-    text = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
-    c = {x["arm"]: f"{x['correct']}/{x['n']}" for x in d["cells"]}
-    loads = [x["load_before"][0] for x in d["cells"]]
-    want = (f"(`{d['command']}` -> `results/tasks_niah_single_1_1k.json` and `.png`, {d['total_wall_s']:,.0f} s, "
-            f"load {min(loads):.1f}-{max(loads):.1f}): stock {c['stock']}; at 12.5 % H2O {c['h2o-12.5pct']}, SnapKV {c['snapkv-12.5pct']}; "
-            f"at 50 % H2O {c['h2o-50pct']}, SnapKV {c['snapkv-50pct']}.")
-    assert want in text
-
-
 def test_benchmarks_readme_one_server_smoke_equals_the_per_arm_servers():
     """The smoke with every vToken arm sent per request to one server scores as the smoke with one
-    server per arm (same accuracy, same logged answers), and the README's figures are the file's."""
+    server per arm (same accuracy, same logged answers), as benchmarks/README.md says."""
     p, q = (ROOT / "benchmarks" / "results" / f"{n}.json" for n in ("tasks_smoke_oneserver", "tasks_smoke"))
     if not (p.exists() and q.exists()):
         pytest.skip("the two smoke results are not committed")
@@ -348,12 +315,11 @@ def test_benchmarks_readme_one_server_smoke_equals_the_per_arm_servers():
     assert {c["server"] for c in new["cells"] if c["policy"]} == {"vtoken-after"} and all(x["ok"] for x in new["probes"])
     chk = new["servers"]["vtoken-after"]["kv_check"]
     sent = {c["kv"]["mean_kept_tokens"] for c in new["cells"] if c["policy"]}
-    text = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
-    assert (f"`{new['command']}` -> `results/tasks_smoke_oneserver.json`) gives the same scores and the same answers "
-            f"in the two samples each JSON keeps, {sent.pop()} tokens sent and "
-            f"{chk['measured_kept_tokens_sum'] / chk['requests']} measured per request (`kv_check`), in "
-            f"{new['total_wall_s']:.0f} s instead of {old['total_wall_s']:.0f} s.") in text
-    assert not sent
+    # every arm was sent one budget per request, and the server kept what the arms were sent
+    per_request = chk["measured_kept_tokens_sum"] / chk["requests"]
+    assert len(sent) == 1 and chk["requests"] == chk["requests_sent"] and 0 <= per_request - sent.pop() <= 2, chk
+    assert "`results/tasks_smoke_oneserver.json` (same scores and answers)" in " ".join(
+        (ROOT / "benchmarks" / "README.md").read_text().split())
 
 
 def test_benchmarks_readme_four_policy_slice_is_the_result():

@@ -8,7 +8,7 @@ wrapper, in Python, only on steps that asked for scores. Captured in a FULL grap
 either be missing (nothing asked at capture) or replay with stale items, so a FULL replay
 would silently skip scoring. vToken therefore **routes every step that needs scores away
 from FULL graphs**, and leaves every other step to vLLM's choice (docs/integration.md,
-"CUDA graphs"):
+"CUDA"):
 
 * Model Runner V2 (``CudaGraphManager.dispatch``, wrapped per instance by
   :func:`install_v2_dispatch`): a FULL descriptor is re-dispatched with
