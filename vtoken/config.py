@@ -118,7 +118,7 @@ class VTokenConfig(BaseModel):
         description="vtoken: repack and free emptied blocks; naive: Naive-Evict baseline "
         "(same decisions; a block is freed only when every token ever placed in it is dead).",
     )
-    policy: str = Field("h2o", description="eviction policy: a name registered under the vtoken.policies entry point")
+    policy: str = Field("h2o", description="eviction policy: a module of vtoken/policies/ or an entry point of the vtoken.policies group")
     budget: int = Field(256, ge=1, strict=True, description="KV budget per request, in tokens (live tokens kept after an eviction)")
     budget_ratio: Optional[float] = Field(
         None, gt=0.0, le=1.0,
