@@ -15,12 +15,12 @@ wrappers (a few microseconds per call):
 * ``schedule``  -- ``Scheduler.schedule()`` (vLLM's scheduling plus vToken's counts);
 * ``update``    -- ``Scheduler.update_from_output()``;
 * ``executor``  -- the executor's ``execute_model`` + ``sample_tokens`` (the worker), of which
-  vToken's parts: ``begin`` (``WorkerDecisions.begin``: select, plan, side-cache moves, append),
-  ``kv_moves`` (``VTokenWorkerCore._apply_set_moves``: K/V moves in every layer),
-  ``begin_step`` (``VTokenWorkerCore.begin_step``, containing the two before),
+  vToken's parts: ``begin`` (``WorkerEviction.begin``: select, plan, side-cache moves, append),
+  ``kv_moves`` (``WorkerStep._apply_set_moves``: K/V moves in every layer),
+  ``begin_step`` (``WorkerStep.begin_step``, containing the two before),
   ``start_scoring``, ``scoring_layers`` (``StepScores.accumulate``, in the attention wrapper,
   every layer), ``scoring_result`` (``StepScores.result`` or ``.batched``: the deferred
-  one-query rows and the packing), ``fold`` (``WorkerDecisions.fold``), ``naive`` (``WorkerDecisions.take_naive_freed``),
+  one-query rows and the packing), ``fold`` (``WorkerEviction.fold``), ``naive`` (``WorkerEviction.take_naive_freed``),
   ``physical`` (``_vt_physical_inputs``: physical ``seq_lens`` and slot mapping);
 * ``forward``   -- ``executor`` minus every vToken part above (the model and sampling, stock's work);
 * ``other``     -- ``step`` minus ``executor``, ``schedule`` and ``update`` (output processing).
@@ -81,8 +81,8 @@ class StepHooks(RunHooks):
     profile = False
 
     def attach(self, engine, sched) -> None:
-        from vtoken.integrations.vllm.worker import core as worker_core
-        from vtoken.integrations.vllm.worker import decisions, scoring
+        from vtoken.integrations.vllm.worker import step as worker_core
+        from vtoken.integrations.vllm.worker import eviction as decisions, scoring
         from vtoken.integrations.vllm.worker import runner_v1
 
         self.steps: list[dict[str, float]] = []
@@ -104,12 +104,12 @@ class StepHooks(RunHooks):
         for cls, name, key in ((scoring.StepScores, "accumulate", "scoring_layers"),
                                (scoring.StepScores, "result", "scoring_result"),
                                (scoring.StepScores, "batched", "scoring_result"),
-                               (worker_core.VTokenWorkerCore, "begin_step", "begin_step"),
-                               (worker_core.VTokenWorkerCore, "_apply_set_moves", "kv_moves"),
-                               (worker_core.VTokenWorkerCore, "start_scoring", "start_scoring"),
-                               (decisions.WorkerDecisions, "begin", "begin"),
-                               (decisions.WorkerDecisions, "fold", "fold"),
-                               (decisions.WorkerDecisions, "take_naive_freed", "naive"),
+                               (worker_core.WorkerStep, "begin_step", "begin_step"),
+                               (worker_core.WorkerStep, "_apply_set_moves", "kv_moves"),
+                               (worker_core.WorkerStep, "start_scoring", "start_scoring"),
+                               (decisions.WorkerEviction, "begin", "begin"),
+                               (decisions.WorkerEviction, "fold", "fold"),
+                               (decisions.WorkerEviction, "take_naive_freed", "naive"),
                                (runner_v1.VTokenV1Adapter, "_vt_physical_inputs", "physical")):
             if hasattr(cls, name):  # (a baseline tree may lack one)
                 setattr(cls, name, timed(getattr(cls, name), key))

@@ -5,8 +5,8 @@ For SmolLM2-135M's geometry (30 layers, 3 KV heads of 64, bf16 KV: 23,040 bytes 
 and the one model this project serves) and each granularity (``request`` 1 set, ``head_shared``
 3, ``layer`` 30, ``head`` 90 sets per request):
 
-* **memory**: side-cache bytes per KV slot (``vtoken.decider.SideCache.bytes_per_token``, what
-  ``WorkerDecisions`` logs at start-up) and its share of the KV cache, for H2O, TOVA and
+* **memory**: side-cache bytes per KV slot (``vtoken.side_cache.SideCache.bytes_per_token``, what
+  ``WorkerEviction`` logs at start-up) and its share of the KV cache, for H2O, TOVA and
   Scissorhands (their default ``window`` at budget 128);
 * **time**: the worker's decision work of one steady decode step (``bench_scheduler.WorkerStep``:
   ``observe`` + ``evict`` of one token per request + ``append``, on a :class:`DeviceDecider`
@@ -14,7 +14,7 @@ and the one model this project serves) and each granularity (``request`` 1 set, 
   ``--reps`` steps after 2 warm-up steps. Arms are alternated per repetition round so that load
   drifts hit every arm alike; the load average is recorded. Not included: the KV move kernel,
   the scoring pass (per-head statistics cost the same attention pass; only their reduction
-  differs), ``WorkerDecisions``' bookkeeping.
+  differs), ``WorkerEviction``' bookkeeping.
 
 Writes ``benchmarks/results/granularity_cost.json`` and a plot next to it.
 
@@ -58,7 +58,7 @@ def kv_bytes_per_token(layers: int = LAYERS, kv_heads: int = KV_HEADS, head_dim:
 def memory_rows(budget: int = 128) -> list[dict[str, Any]]:
     """Side-cache bytes per KV slot per (policy, granularity), and the share of the KV cache."""
     from vtoken.config import VTokenConfig
-    from vtoken.decider import SideCache
+    from vtoken.side_cache import SideCache
 
     rows = []
     kv = kv_bytes_per_token()

@@ -105,7 +105,7 @@ def _block_bytes(block_size: int = 32, dtype_bytes: int = 2) -> int:
 
 
 def copy_cost(num_blocks: int, copies: int = 4, reps: int = 30) -> dict:
-    """Time of the K/V part of ``VTokenWorkerCore.copy_blocks`` on this CPU for the served model:
+    """Time of the K/V part of ``WorkerStep.copy_blocks`` on this CPU for the served model:
     ``copies`` blocks copied in every layer through the probed CPU layout (``move_tokens``, as the
     worker does), median of ``reps`` (ms). The side caches of ``decide_on: worker`` add a few
     bytes per slot and are left out."""

@@ -12,7 +12,7 @@ scheduling) and vToken's ``VTokenScheduler`` (its subclass, settings from
 ``num_scheduled_tokens`` and whose ``sampled_token_ids`` give one token to every request whose
 prefill is complete (an empty list for a partial prefill chunk), then ``update_from_output()``
 runs. vToken has one eviction path: the scheduler never receives statistics; per step it computes
-from counts only how many tokens ``k`` each request evicts (fixed pacing, ``vtoken.protocol``; the
+from counts only how many tokens ``k`` each request evicts (fixed pacing, ``vtoken.counts``; the
 per-request counts are rows of one numpy array, ``vtoken/integrations/vllm/sched/counts.py``),
 frees the emptied tail blocks, and sends ``payload.evict = {req_id: k}`` (plus ``payload.states``
 for new requests, ``payload.scores`` for the statistics the worker computes itself); the worker
@@ -40,7 +40,7 @@ the collector stays on. Each timed step is checked: every request scheduled with
 and (vToken) exactly R evictions in the step and ``payload.evict == {rid: 1}`` for every request.
 
 Worker side. The worker's eviction work is timed per decode step for policies h2o and random
-(``WorkerStep`` / ``time_worker``): a ``vtoken.decider.DeviceDecider`` built as ``WorkerDecisions``
+(``WorkerStep`` / ``time_worker``): a ``vtoken.side_cache.DeviceDecider`` built as ``WorkerEviction``
 builds one (``VTokenConfig(policy=..., budget=L)``, ``make_policy()``, ``protections()``: h2o no
 sinks and ``recent = L // 2``, random none), with one token set per request (``request``
 granularity; the default config's H2O keeps one set per layer and KV head, whose cost per set
@@ -49,7 +49,7 @@ request has its own ``ceil((L+1)/32)`` blocks, holding R requests x ``L + 1`` li
 budget plus the token the last step appended); one step is ``observe`` (h2o: ``col_sum`` float64
 ``[R, L+1]``, made once before timing; random needs no statistics) + ``evict`` (k = 1 per request:
 select, plan, move the side cache) + ``append`` (1 token per request), the calls'
-row/block-table/count/protection tensors made from host lists each step as ``WorkerDecisions``
+row/block-table/count/protection tensors made from host lists each step as ``WorkerEviction``
 does. Median (and min, max) ms over ``--select-reps`` steps (halved, at least 3, for cells above
 2**21 tokens) after 2 warm-up steps, on CPU torch tensors (``--select-threads`` torch threads,
 default 1: on a shared 2-core machine two OpenMP threads cost ~300 ms a call in waits whatever the
@@ -59,11 +59,11 @@ first (``tune_cpu_malloc``; ``--default-malloc`` keeps the defaults), so that th
 temporaries reuse heap memory as the CUDA caching allocator does instead of costing fresh zero
 pages every step (about 2/3 of a 512 x 8193 step otherwise); each CPU row records its minor page
 faults per step. **Not included**: the KV-cache move kernel that applies the step's slot moves to
-every layer's K/V (``vtoken.kernels.move``), ``WorkerDecisions``' own bookkeeping (block-id copies
+every layer's K/V (``vtoken.kernels.move``), ``WorkerEviction``' own bookkeeping (block-id copies
 from the ``SchedulerOutput``, grouping by policy) and packing the statistics into a batch. Also
 timed, alone: one ``select_victims`` + ``plan_moves`` call (``vtoken.select``) for R x (L + 1),
 k = 1, H2O's protections, on random float64 scores and a random permutation of logical positions
-per row. ``--no-select`` skips the worker side; if ``vtoken.decider`` is missing it is skipped
+per row. ``--no-select`` skips the worker side; if ``vtoken.side_cache`` is missing it is skipped
 with a printed note.
 
 Outputs: two tables (host ms per step for every arm with ratios to stock and vToken's pre-schedule
@@ -374,11 +374,11 @@ def run_cell(num_requests: int, live: int, *, arms=ARMS, steps: int = 30, warmup
 
 # ------------------------------------------------------------------ worker side
 def worker_available() -> Optional[str]:
-    """None when ``vtoken.decider.DeviceDecider`` is importable, else why not."""
+    """None when ``vtoken.side_cache.DeviceDecider`` is importable, else why not."""
     try:
-        from vtoken.decider import DeviceDecider  # noqa: F401
+        from vtoken.side_cache import DeviceDecider  # noqa: F401
     except Exception as e:  # noqa: BLE001 - report, do not fail the scheduler part
-        return f"vtoken.decider not importable ({type(e).__name__}: {e})"
+        return f"vtoken.side_cache not importable ({type(e).__name__}: {e})"
     return None
 
 
@@ -391,18 +391,18 @@ def _minor_faults() -> int:
 class WorkerStep:
     """The worker's eviction work of one steady decode step.
 
-    A :class:`vtoken.decider.DeviceDecider` built as ``WorkerDecisions`` builds one
+    A :class:`vtoken.side_cache.DeviceDecider` built as ``WorkerEviction`` builds one
     (``cfg = VTokenConfig(policy=..., budget=L)``, ``cfg.make_policy()``, protections from
     ``cfg.protections()``), over a side cache of ``R * ceil((L+1)/B)`` blocks in which request
     ``i`` owns blocks ``i*nb .. i*nb+nb-1``, holding ``L + 1`` live tokens per request (the
     budget plus the token the last step appended). :meth:`step` then does what
-    ``WorkerDecisions`` does per decode step: ``observe`` (the previous forward's statistics,
+    ``WorkerEviction`` does per decode step: ``observe`` (the previous forward's statistics,
     ``[R, L+1]`` float64, only the arrays the policy needs: ``col_sum`` for H2O, none for
     Random), ``evict`` (``k = 1`` per request: select, plan, move the side cache) and ``append``
     (1 token per request), each call given its rows, block table, counts and protections as
-    tensors made from host lists and arrays, as ``WorkerDecisions`` makes them. The statistics
+    tensors made from host lists and arrays, as ``WorkerEviction`` makes them. The statistics
     are made once, on the device, before any timing. Not included: the KV-cache move kernel
-    (:mod:`vtoken.kernels.move`), ``WorkerDecisions``' own bookkeeping (block-id copies,
+    (:mod:`vtoken.kernels.move`), ``WorkerEviction``' own bookkeeping (block-id copies,
     grouping by policy) and packing the statistics into a batch.
     """
 
@@ -410,7 +410,7 @@ class WorkerStep:
                  block_size: int = BLOCK_SIZE, num_sets: int = 1):
         import torch
         from vtoken.config import VTokenConfig
-        from vtoken.decider import DeviceDecider
+        from vtoken.side_cache import DeviceDecider
         from vtoken.policies.base import AttentionNeed
 
         self.R, self.L, self.N = num_requests, live, live + 1
@@ -422,7 +422,7 @@ class WorkerStep:
         self.dec = DeviceDecider(self.policy, num_slots=num_requests * nb * block_size, block_size=block_size,
                                  max_requests=num_requests, device=self.device, num_sets=num_sets)
         self.row_list = list(range(num_requests))
-        self.bt = np.arange(num_requests * nb, dtype=np.int64).reshape(num_requests, nb)  # WorkerDecisions' bt
+        self.bt = np.arange(num_requests * nb, dtype=np.int64).reshape(num_requests, nb)  # WorkerEviction' bt
         self.rows = torch.arange(num_requests, device=self.device)
         self.dec.append(self.rows, self.table(), torch.full((num_requests,), self.N, device=self.device))
         g = torch.Generator().manual_seed(seed)
@@ -438,7 +438,7 @@ class WorkerStep:
         return torch.from_numpy(self.bt[self.row_list]).to(self.device)
 
     def step(self):
-        """One decode step's observe + evict + append; returns the :class:`~vtoken.decider.Eviction`."""
+        """One decode step's observe + evict + append; returns the :class:`~vtoken.side_cache.Eviction`."""
         import torch
 
         dev, rows, R = self.device, self.row_list, self.R

@@ -10,7 +10,7 @@ the worker runs in the timed process):
   folding scores into the policy (``vt_stats.repack_seconds``);
 * ``update``     -- ``Scheduler.update_from_output()`` (vToken's bookkeeping of the step included);
 * ``moves``      -- applying the step's token moves to every layer's KV cache in the worker
-  (``VTokenWorkerCore.begin_step``);
+  (``WorkerStep.begin_step``);
 * ``scoring``    -- the worker's attention-statistics pass: CPU attention returns no
   probabilities, so ``StepScores.accumulate`` recomputes ``softmax(q K^T)`` per layer (and
   ``StepScores.result``);
@@ -70,7 +70,7 @@ class SplitHooks(RunHooks):
 
     def attach(self, engine, sched) -> None:
         from vtoken.integrations.vllm.worker import scoring
-        from vtoken.integrations.vllm.worker import core as worker_core
+        from vtoken.integrations.vllm.worker import step as worker_core
 
         self.steps: list[dict[str, float]] = []
         self.cur: dict[str, float] = {}
@@ -85,7 +85,7 @@ class SplitHooks(RunHooks):
             return w
 
         for cls, name, key in ((scoring.StepScores, "accumulate", "scoring"), (scoring.StepScores, "result", "scoring"),
-                               (worker_core.VTokenWorkerCore, "begin_step", "moves")):
+                               (worker_core.WorkerStep, "begin_step", "moves")):
             setattr(cls, name, timed(getattr(cls, name), key))
         core = engine.engine_core.engine_core
         ex = core.model_executor

@@ -12,7 +12,7 @@ forward and from the forward's statistics into the side cache. This benchmark co
 step does per request, so that a change towards that shows in its figures, and a regression too.
 
 What runs. No model, no vLLM engine, no KV cache: one
-:class:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions` on ``--device`` (CPU by
+:class:`~vtoken.integrations.vllm.worker.eviction.WorkerEviction` on ``--device`` (CPU by
 default) with a pool of exactly ``R * cdiv(live, B) + 1`` blocks (block 0 unused, as vLLM's null
 block), ``--layers`` x ``--kv-heads`` (30 x 3, SmolLM2-135M's) and granularity ``--granularity``
 (``head``: 90 token sets per request), policy ``--policy`` (H2O; the policies whose statistics are
@@ -35,12 +35,12 @@ step's append, the budget plus the appended token), protections from ``VTokenCon
   ``StepScores.batched`` in ``vtoken/integrations/vllm/worker/scoring.py``): a
   ``BatchedScores`` whose one-query rows carry float64 tensors on ``--device``, ``[R, L, Hkv,
   live]`` per (layer, KV head) (``[R, live]`` at granularity ``request``), the same values as
-  column sums and last rows; ``numpy``: ``StepScores.result``'s ``ScoreMap`` (``payload.py``),
+  column sums and last rows; ``numpy``: ``StepScores.result``'s ``ScoreMap`` (``protocol.py``),
   req_id -> (col_sum, last_row), float64 numpy ``[S, live]`` (``[live]`` with one set), only the
   arrays the policy needs (H2O: col_sum), which ``fold`` packs request by request;
   ``torch``: the same as float64 tensors on ``--device``. The step's inputs are built outside
   the timer (the scheduler and the forward make them).
-  ``WorkerDecisions.take_naive_freed``, which the worker calls after the fold, is timed and
+  ``WorkerEviction.take_naive_freed``, which the worker calls after the fold, is timed and
   counted as its own phase (``naive``), not in the step's figures.
 * **Checks (outside the measured region, every step).** Every request has ``live`` live tokens
   and ``live + steps`` logical ones (the decider's ``live``/``logical`` rows, read once per
@@ -51,7 +51,7 @@ step's append, the budget plus the appended token), protections from ``VTokenCon
   ``logical``, the sinks and the whole recent window among them: so each set evicted one token
   per step.
 
-What is measured, per R (``--requests``; each R in a fresh ``WorkerDecisions``):
+What is measured, per R (``--requests``; each R in a fresh ``WorkerEviction``):
 
 * **wall time**: median (min, max) ms of ``begin``, ``fold``, their sum (the step) and
   ``take_naive_freed``, over ``--steps`` steps after ``--warmup`` steps (``time.perf_counter_ns``;
@@ -92,7 +92,7 @@ What is measured, per R (``--requests``; each R in a fresh ``WorkerDecisions``):
     for cheap lines; the tensor-heavy lines' times are the real ones).
 
 * **call sites**: every counted event is filed under the innermost frame of
-  ``vtoken/integrations/vllm/worker/decisions.py`` or ``vtoken/decider.py`` on the stack
+  ``vtoken/integrations/vllm/worker/eviction.py`` or ``vtoken/side_cache.py`` on the stack
   (``focus``: the lines the step's own code runs), under all of those frames (``chain``:
   ``site < caller < ...``), and under the innermost frame anywhere in ``vtoken/`` (``inner``:
   select.py, the policies); ``py_lines`` and ``line_ms`` per line. For each site the slope per
@@ -139,15 +139,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from vtoken.config import VTokenConfig  # noqa: E402
-from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec  # noqa: E402
-from vtoken.integrations.vllm.worker.decisions import WorkerDecisions, num_sets  # noqa: E402
+from vtoken.integrations.vllm.protocol import StepPayload, WorkerSpec  # noqa: E402
+from vtoken.integrations.vllm.worker.eviction import WorkerEviction, num_sets  # noqa: E402
 from vtoken.integrations.vllm.worker.scoring import BatchedScores  # noqa: E402
 from vtoken.policies.base import AttentionNeed  # noqa: E402
-from vtoken.protocol import evictable  # noqa: E402
+from vtoken.counts import evictable  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_worker_step.json"
 VTOKEN_DIR = str(ROOT / "vtoken") + os.sep
-FOCUS = (str(ROOT / "vtoken" / "integrations" / "vllm" / "worker" / "decisions.py"), str(ROOT / "vtoken" / "decider.py"))
+FOCUS = (str(ROOT / "vtoken" / "integrations" / "vllm" / "worker" / "eviction.py"), str(ROOT / "vtoken" / "side_cache.py"))
 #: policies whose step statistics are column sums and/or last rows (or none): what ``fold`` takes
 POLICIES = ("h2o", "tova", "scissorhands", "streaming", "random")
 PHASES = ("begin", "fold", "naive")
@@ -201,7 +201,7 @@ def _site(frame, prefixes: tuple[str, ...]) -> str:
 
 
 def _chain(frame) -> str:
-    """Every frame of decisions.py/decider.py on the stack, innermost first (``site < caller <
+    """Every frame of eviction.py/decider.py on the stack, innermost first (``site < caller <
     ...``), or :data:`OUTSIDE`."""
     out = []
     while frame is not None:
@@ -485,7 +485,7 @@ def make_policy(policy: str, live: int, granularity: str):
 
 
 class WorkerStepBench:
-    """One ``WorkerDecisions`` holding R requests x ``live`` live tokens (module docstring).
+    """One ``WorkerEviction`` holding R requests x ``live`` live tokens (module docstring).
 
     :meth:`step` runs one decode step (``begin`` + ``fold``, then ``take_naive_freed``) and
     checks it; :meth:`final_check` checks every set's logical positions.
@@ -505,7 +505,7 @@ class WorkerStepBench:
             raise ValueError(f"policy {policy!r} at budget {live - 1} protects all {live} live tokens")
         self.nb = cdiv(live, block_size)
         self.num_blocks = self.R * self.nb + 1
-        self.wd = WorkerDecisions(self.num_blocks, block_size, self.device, num_layers=layers, num_kv_heads=kv_heads)
+        self.wd = WorkerEviction(self.num_blocks, block_size, self.device, num_layers=layers, num_kv_heads=kv_heads)
         self.rids = [f"req-{i}" for i in range(self.R)]
         rng = np.random.default_rng(seed)
         ids = (1 + rng.permutation(self.R * self.nb)).reshape(self.R, self.nb)
@@ -819,9 +819,9 @@ def _document(args, rows, load_before, load_after, elapsed, malloc) -> dict[str,
                  "repeat_interleave without output_size, index/index_put with a boolean index; host_syncs: the sum of "
                  "those three; uploads: wrapped torch.from_numpy and torch.tensor/as_tensor of host data; py_lines/"
                  "py_funcs: sys.settrace line and call events in vtoken/"),
-        phases=dict(step="begin + fold", begin="WorkerDecisions.begin (evict k=1 + append 1 per request)",
-                    fold="WorkerDecisions.fold (one step's statistics per request)",
-                    naive="WorkerDecisions.take_naive_freed (after the fold; not in the step's figures)"),
+        phases=dict(step="begin + fold", begin="WorkerEviction.begin (evict k=1 + append 1 per request)",
+                    fold="WorkerEviction.fold (one step's statistics per request)",
+                    naive="WorkerEviction.take_naive_freed (after the fold; not in the step's figures)"),
         rows=rows,
         growth=growth_by_phase["step"],
         growth_by_phase=growth_by_phase,
@@ -877,7 +877,7 @@ def print_report(doc: dict[str, Any], top: int = 25) -> None:
         g = doc["growth"][c]
         print(f"  {c:<20} {'flat' if g['flat'] else 'grows':<6} slope {g['slope_per_request']:+.4g}/request "
               f"({', '.join(f'{k}: {v:g}' for k, v in g['per_R'].items())})")
-    for key, title in (("ops_focus", "ops per request by call site in decisions.py/decider.py"),
+    for key, title in (("ops_focus", "ops per request by call site in eviction.py/decider.py"),
                        ("host_syncs_focus", "host syncs per request by call site"),
                        ("uploads_focus", "uploads per request by call site"),
                        ("upload_bytes_focus", "upload bytes per request by call site"),

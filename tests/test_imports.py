@@ -96,8 +96,8 @@ def _circles(g: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read():
     inside, outside = _graph()
     # (known edges: the reader would miss them if it were broken)
-    assert "vtoken.decider" in inside["vtoken.integrations.vllm.worker.decisions"]
-    assert "vtoken.select" in inside["vtoken.decider"]
+    assert "vtoken.side_cache" in inside["vtoken.integrations.vllm.worker.eviction"]
+    assert "vtoken.select" in inside["vtoken.side_cache"]
     assert "vtoken.assets.tiny" in inside["vtoken.assets.paths"]  # a function-level import
     assert "vllm" in outside["vtoken.integrations.vllm.plugin"]
 

@@ -56,7 +56,7 @@ def _per_row(v: IntOrTensor, r: int, device: torch.device, name: str) -> torch.T
 
 def _check_2d(logical_pos: torch.Tensor, num_live: IntOrTensor, check: bool = True) -> tuple[int, int, torch.Tensor]:
     """``(R, N, num_live as int64 [R])``; ``check``: also the value checks of CPU tensors (host
-    reads), which a caller whose counts come from its own state skips (:class:`vtoken.decider.DeviceDecider`)."""
+    reads), which a caller whose counts come from its own state skips (:class:`vtoken.side_cache.DeviceDecider`)."""
     if logical_pos.dim() != 2:
         raise ValueError(f"logical_pos has shape {tuple(logical_pos.shape)}; expected [R, N]")
     r, n = logical_pos.shape
@@ -94,7 +94,7 @@ def protected_mask(
             the window) gets its recent window from that count, without a sort; other rows,
             or no ``num_logical``, sort their positions.
         check: check the values of ``num_live`` (CPU tensors: two host reads); False for a
-            caller whose counts are its own (:class:`vtoken.decider.DeviceDecider`).
+            caller whose counts are its own (:class:`vtoken.side_cache.DeviceDecider`).
         all_live: every row has ``N`` live slots (the caller knows): no padding to mask.
 
     Returns:

@@ -2,7 +2,7 @@
 registration, H2O's score with no recent window, against hand-computed victims.
 
 The engine matrices (``tests/integration/test_worker_decisions.py``, ``test_granularity.py``,
-``test_prefill_eviction.py``) and ``tests/core/test_decider.py`` take every registered policy, so
+``test_prefill_eviction.py``) and ``tests/core/test_side_cache.py`` take every registered policy, so
 they run this one against the dense oracle with no change."""
 
 from __future__ import annotations

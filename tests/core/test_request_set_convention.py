@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from vtoken.config import parse_config
-from vtoken.decider import DeviceDecider
+from vtoken.side_cache import DeviceDecider
 from vtoken.integrations.vllm.worker.scoring import StepScores
 from reference.oracle import attention_stats, attention_stats_sets
 from reference.policies import AttentionStats, TokenView, reference

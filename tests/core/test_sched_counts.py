@@ -16,7 +16,7 @@ from vtoken.config import VTokenConfig
 from vtoken.integrations.vllm.sched import counts as C
 from vtoken.integrations.vllm.sched.counts import COLUMN_FIELDS, CountColumns, CountState
 from vtoken.integrations.vllm.sched.state import RequestState
-from vtoken.protocol import CountTable
+from vtoken.counts import CountTable
 from reference.repack import NaiveEvictCounter
 
 BS = 16

@@ -1,7 +1,7 @@
 """The worker core's tensor-parallel score reduction, on two real gloo processes (no engine).
 
 Each rank holds per-request statistics averaged over its own query heads; after
-``VTokenWorkerCore.take_scores`` every rank must hold the mean over all heads:
+``WorkerStep.fold_scores`` every rank must hold the mean over all heads:
 ``sum_r h_r * mean_r / sum_r h_r`` (head counts deliberately unequal here, 3 and 1, to check
 the weighting), for requests asking for ``col_sum`` only, ``last_row`` only and both, in the
 batch order of the step's rows; a step whose payload asks for nothing issues no collective.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.step import WorkerStep
 
 HEADS = (3, 1)
 LENS = {"a": 5, "b": 7, "c": 4}
@@ -43,7 +43,7 @@ class _Step:
 
 def _worker(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    core = VTokenWorkerCore({}, layout_for=None)
+    core = WorkerStep({}, layout_for=None)
     core._tp = SimpleNamespace(world_size=2, rank_in_group=rank, cpu_group=dist.group.WORLD)
     core.test_dir = os.path.dirname(out)
     folded = []  # what the worker's decisions fold: the reduced statistics

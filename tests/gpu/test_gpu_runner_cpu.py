@@ -30,7 +30,7 @@ from vllm_kv_views import ALL_LAYOUTS, vllm_kv_views  # noqa: E402
 
 from vtoken.config import VTokenConfigError  # noqa: E402
 from vtoken.integrations.vllm.worker.kv_layout import PagedKVLayout, flash_attn_kv_layout  # noqa: E402
-from vtoken.integrations.vllm.payload import StepPayload  # noqa: E402
+from vtoken.integrations.vllm.protocol import StepPayload  # noqa: E402
 from vtoken.policies.base import AttentionNeed  # noqa: E402
 
 COL, LAST = AttentionNeed.COL_SUM.value, AttentionNeed.LAST_ROW.value
@@ -151,7 +151,7 @@ def _core(views, layout="LBNHC"):
 
 
 def test_core_applies_the_decisions_moves_per_set_and_records_offsets():
-    """The worker's moves (``WorkerDecisions``: global slots and each move's token set) go to
+    """The worker's moves (``WorkerEviction``: global slots and each move's token set) go to
     every layer through the paged layout, per set: ``request`` moves every layer and head,
     ``head`` only the (layer, KV head) of its set; offsets and score requests are recorded."""
     from vllm.v1.kv_cache_layout import KVCacheLayout

@@ -30,14 +30,14 @@ class _Capture(logging.Handler):
 
 class FaultInjection(RunHooks):
     def attach(self, engine, sched) -> None:
-        from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
+        from vtoken.integrations.vllm.worker.eviction import WorkerEviction
 
         self.capture = _Capture()
         logging.getLogger("vllm.vtoken").addHandler(self.capture)
-        from vtoken.decider import DeviceDecider
+        from vtoken.side_cache import DeviceDecider
 
-        live: list = []  # the engine's WorkerDecisions (in-process worker)
-        orig_begin = WorkerDecisions.begin
+        live: list = []  # the engine's WorkerEviction (in-process worker)
+        orig_begin = WorkerEviction.begin
 
         def begin(self, *a, **k):
             if not live:
@@ -52,9 +52,9 @@ class FaultInjection(RunHooks):
                     raise ValueError("injected policy fault")
             return orig_evict(self, rows, *a, **k)
 
-        WorkerDecisions.begin = begin
+        WorkerEviction.begin = begin
         DeviceDecider.evict = evict
-        orig_fold = WorkerDecisions.fold
+        orig_fold = WorkerEviction.fold
 
         def nan_map(m):
             return {rid: tuple(None if a is None else (np.full_like(a, np.nan) if rid.startswith("nan") else a)
@@ -72,7 +72,7 @@ class FaultInjection(RunHooks):
                 scores.rest = nan_map(scores.rest)
             return orig_fold(self, scores)
 
-        WorkerDecisions.fold = fold
+        WorkerEviction.fold = fold
 
     def finish(self, out) -> None:
         out["vtoken_log"] = self.capture.records

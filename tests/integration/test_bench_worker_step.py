@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_worker_step as bw  # noqa: E402
 from vtoken.config import VTokenConfig  # noqa: E402
-from vtoken.decider import DeviceDecider  # noqa: E402
-from vtoken.protocol import evictable  # noqa: E402
+from vtoken.side_cache import DeviceDecider  # noqa: E402
+from vtoken.counts import evictable  # noqa: E402
 
 LAYERS, KV_HEADS = 2, 1  # 2 token sets per request at granularity "head"
 S = LAYERS * KV_HEADS
@@ -76,12 +76,12 @@ def test_events_are_filed_under_their_vtoken_call_site():
     freed_line = _line_of(DeviceDecider.naive_freed_blocks, "return")
     assert dict(c.ops_by_name) == {"aten::index": 1, "aten::eq": 1, "aten::sum": 1}
     assert {k: v["ops"] for k, v in c.focus.items()} == {
-        f"vtoken/decider.py:dead_blocks:{dead_line}": 2, f"vtoken/decider.py:naive_freed_blocks:{freed_line}": 1}
+        f"vtoken/side_cache.py:dead_blocks:{dead_line}": 2, f"vtoken/side_cache.py:naive_freed_blocks:{freed_line}": 1}
     assert {k: v["ops"] for k, v in c.chain.items()} == {  # the callers too, innermost first
-        f"vtoken/decider.py:dead_blocks:{dead_line} < vtoken/decider.py:naive_freed_blocks:{freed_line}": 2,
-        f"vtoken/decider.py:naive_freed_blocks:{freed_line}": 1}
+        f"vtoken/side_cache.py:dead_blocks:{dead_line} < vtoken/side_cache.py:naive_freed_blocks:{freed_line}": 2,
+        f"vtoken/side_cache.py:naive_freed_blocks:{freed_line}": 1}
     assert c.summary()["data_dependent"] == 0  # an integer index is not a boolean one
-    ev = [f"vtoken/protocol.py:evictable:{_line_of(evictable, s)}" for s in ("p =", "return")]
+    ev = [f"vtoken/counts.py:evictable:{_line_of(evictable, s)}" for s in ("p =", "return")]
     assert c.lines[ev[0]] == c.lines[ev[1]] == 1
     assert c.summary()["py_funcs"] == 3 and c.summary()["py_lines"] == sum(c.lines.values()) == 4
 
@@ -165,5 +165,5 @@ def test_the_json(tmp_path):
         assert x["per_request"] != 0 and set(x["per_R"]) == {"2", "4"}
         path, func, line = x["site"].rsplit(":", 2)
         assert (ROOT / path).is_file() and int(line) > 0
-    assert set(got["sources"]["files"]) == {"vtoken/integrations/vllm/worker/decisions.py", "vtoken/decider.py",
+    assert set(got["sources"]["files"]) == {"vtoken/integrations/vllm/worker/eviction.py", "vtoken/side_cache.py",
                                             "vtoken/select.py"}

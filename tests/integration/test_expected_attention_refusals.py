@@ -1,6 +1,6 @@
 """Expected Attention needs the model's RoPE: the start-up check from the model's config
 (``refusals.rope_problem``), the request-time refusal (HTTP 400 for that request only) and the
-worker's check of the loaded layers (``VTokenWorkerCore.find_rope``). No engine is started."""
+worker's check of the loaded layers (``WorkerStep.find_rope``). No engine is started."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from vtoken.assets.paths import ensure_tiny_model
 from vtoken.config import VTokenConfig, VTokenConfigError
 from vtoken.integrations.vllm.frontend import requests as frontend
 from vtoken.integrations.vllm.frontend.refusals import rope_problem
-from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.step import WorkerStep
 
 
 def test_rope_problem_reads_the_model_config():
@@ -61,7 +61,7 @@ def _model(*ropes):
 
 
 def test_find_rope_checks_the_loaded_layers():
-    core = VTokenWorkerCore({}, layout_for=None)
+    core = WorkerStep({}, layout_for=None)
     shared = RotaryEmbedding(neox=False)
     core.find_rope(_model(shared, shared), "expected_attention")
     cos_sin, a, b = core.rope

@@ -1,4 +1,4 @@
-"""``WorkerDecisions.fold`` of ``StepScores.batched()`` (the one-query rows as padded tensors, one
+"""``WorkerEviction.fold`` of ``StepScores.batched()`` (the one-query rows as padded tensors, one
 ``observe`` per group) leaves the side caches bit for bit as ``fold`` of ``StepScores.result()``
 (the per-request ``ScoreMap``): every granularity, column sums and last rows, rows of different
 lengths and of one length (no padding to mask), the deferred (layer stack) and the layer-by-layer
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from vtoken.config import VTokenConfig
-from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
-from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
+from vtoken.integrations.vllm.protocol import StepPayload, WorkerSpec
+from vtoken.integrations.vllm.worker.eviction import WorkerEviction
 from vtoken.integrations.vllm.worker.kv_layout import CPUKVLayout, CPULayerStack, probe_cpu_layout
 from vtoken.integrations.vllm.worker.scoring import BatchedScores, StepScores, set_means, set_means_batched
 from vtoken.policies.base import AttentionNeed
@@ -42,9 +42,9 @@ def _caches(seed: int):
     return caches, CPULayerStack.build(caches), g
 
 
-def _decisions(lens: list[int]) -> WorkerDecisions:
+def _decisions(lens: list[int]) -> WorkerEviction:
     """Every request of REQS started with ``lens[i]`` live tokens (its own blocks)."""
-    wd = WorkerDecisions(64, BS, "cpu", num_layers=L, num_kv_heads=H)
+    wd = WorkerEviction(64, BS, "cpu", num_layers=L, num_kv_heads=H)
     new, nxt = [], 1
     for (rid, _, _), n in zip(REQS, lens):
         nb = -(-n // BS)
@@ -82,7 +82,7 @@ def _scores(lens: list[int], with_stack: bool, nan_row: int | None = None) -> St
     return st
 
 
-def _state(wd: WorkerDecisions) -> dict:
+def _state(wd: WorkerEviction) -> dict:
     return {key: {k: t.clone() for k, t in g.dec.side.fields.items()} for key, g in wd.groups.items()}
 
 

@@ -1,5 +1,5 @@
 """The worker's ``VTOKEN_CHECK=1`` checks of its own moves (``vtoken/integrations/vllm/worker/checks.py``):
-real evictions through ``WorkerDecisions.begin`` pass them and are counted, a block truncated off
+real evictions through ``WorkerEviction.begin`` pass them and are counted, a block truncated off
 one request and given to another in the same step is counted as reused, and each kind of bad
 move raises, named. No engine; a second."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from vtoken.config import VTokenConfig
-from vtoken.decider import Eviction
-from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
+from vtoken.side_cache import Eviction
+from vtoken.integrations.vllm.protocol import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.worker.checks import check_group_moves, check_step_blocks, new_blocks_of_step
-from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
+from vtoken.integrations.vllm.worker.eviction import WorkerEviction
 
 BS = 32
 
@@ -36,7 +36,7 @@ def _so(new=(), cached=(), counts=None):
 @pytest.fixture
 def checked(monkeypatch):
     monkeypatch.setenv("VTOKEN_CHECK", "1")
-    wd = WorkerDecisions(16, BS, "cpu", num_layers=1, num_kv_heads=1)
+    wd = WorkerEviction(16, BS, "cpu", num_layers=1, num_kv_heads=1)
     assert wd._check
     # a: 70 tokens in blocks 1, 2, 3; b: 40 tokens in blocks 4, 5
     wd.begin(_so(new=[("a", [1, 2, 3]), ("b", [4, 5])], counts={"a": 70, "b": 40}),

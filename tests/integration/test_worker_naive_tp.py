@@ -1,8 +1,8 @@
 """Naive-Evict's freed blocks under tensor parallelism with per-head token sets, model-free.
 
 Each TP rank holds the token sets of its own KV heads, so a logical block is freed only once it is
-dead in every set of every rank: ``WorkerDecisions.take_naive_freed`` sums the per-block eviction
-counts over the TP group. Two ranks (two ``WorkerDecisions``, one KV head each) whose statistics
+dead in every set of every rank: ``WorkerEviction.take_naive_freed`` sums the per-block eviction
+counts over the TP group. Two ranks (two ``WorkerEviction``, one KV head each) whose statistics
 make rank 0 evict the first block and rank 1 the second: each alone would free one block, together
 none. The all-reduce is replaced by adding the other rank's counts."""
 
@@ -14,17 +14,17 @@ import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig
-from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
-from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
+from vtoken.integrations.vllm.protocol import StepPayload, WorkerSpec
+from vtoken.integrations.vllm.worker.eviction import WorkerEviction
 
 B = 32
 
 
-def _rank(low: slice, gran: str = "head") -> tuple[WorkerDecisions, str]:
+def _rank(low: slice, gran: str = "head") -> tuple[WorkerEviction, str]:
     """One rank: a request of 64 prompt tokens (2 blocks), its statistics lowest on ``low``,
     then an eviction of 32 tokens (H2O evicts the lowest accumulated scores)."""
     plan = VTokenConfig(policy="h2o", budget=32, sink_tokens=0, recent_tokens=0, granularity=gran).plan()
-    dec = WorkerDecisions(num_blocks=8, block_size=B, device="cpu", num_layers=1, num_kv_heads=1)
+    dec = WorkerEviction(num_blocks=8, block_size=B, device="cpu", num_layers=1, num_kv_heads=1)
     rid = "r"
     cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set())
     so = NS(finished_req_ids=[], scheduled_new_reqs=[NS(req_id=rid, block_ids=([2, 5, 6],))],
@@ -38,7 +38,7 @@ def _rank(low: slice, gran: str = "head") -> tuple[WorkerDecisions, str]:
     return dec, rid
 
 
-def _dead(dec: WorkerDecisions) -> torch.Tensor:
+def _dead(dec: WorkerEviction) -> torch.Tensor:
     (g,) = dec.groups.values()
     return g.dec.dead[[dec.where["r"][1]]].to(torch.float64)
 

@@ -94,7 +94,7 @@ class EvictionPolicy(ABC):
     #: True: the policy's only statistic is ``key_norm`` and
     #: :meth:`observe_batched` reads and writes nothing but the fields of the slots the step
     #: wrote (K-norm). On the worker such a step is folded straight into those slots
-    #: (:meth:`vtoken.decider.DeviceDecider.observe_written`), with no pass over the live ones.
+    #: (:meth:`vtoken.side_cache.DeviceDecider.observe_written`), with no pass over the live ones.
     observes_written_only: ClassVar[bool] = False
 
     sink_tokens: int = 0
@@ -160,9 +160,9 @@ class EvictionPolicy(ABC):
 
         return frozenset(f.name for f in dataclasses.fields(cls)) - {"sink_tokens", "recent_tokens", "seed"}
 
-    # ----- batched, on the device (vtoken.decider) -----
+    # ----- batched, on the device (vtoken.side_cache) -----
     def side_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Per-slot fields of the paged side cache (:class:`vtoken.decider.SideCache`):
+        """Per-slot fields of the paged side cache (:class:`vtoken.side_cache.SideCache`):
         name -> (leading shape, torch dtype). Default: none."""
         return {}
 

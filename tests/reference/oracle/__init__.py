@@ -50,7 +50,7 @@ length stays one number.
 
 Token-set conventions (one statement for the oracle, ``tests/core/masked_reference.py`` and the
 worker: ``StepScores`` / ``set_means`` in ``vtoken/integrations/vllm/worker/scoring.py``,
-``vtoken/decider.py``, ``vtoken/select.py``):
+``vtoken/side_cache.py``, ``vtoken/select.py``):
 
 * **Attention statistics.** ``p[l, h, i, j]``: post-softmax probability of query head ``h``
   (``Hq`` per layer; ``G = Hq / Hkv`` of them share KV head ``h // G``), query row ``i`` of

@@ -167,7 +167,7 @@ def key_norm_sets(cache, q: int, set_of: np.ndarray) -> list[np.ndarray]:
 def key_sim_sets(cache, granularity: str) -> list[np.ndarray]:
     """KeyDiff's statistic from the oracle's cache: each live slot's cosine similarity to its
     (layer, KV head)'s anchor (:func:`vtoken.policies.keydiff.key_similarity`), averaged per
-    token set as the worker does (``VTokenWorkerCore.key_similarity_sets``): ``head`` the pair's
+    token set as the worker does (``WorkerStep.key_similarity_sets``): ``head`` the pair's
     own (set ``l * Hkv + g``); ``head_shared`` the mean over layers; ``layer`` the sum over KV
     heads divided by their number; ``request`` that, then the mean over layers.
 

@@ -151,7 +151,7 @@ def rope_problem(hf_text_config: Any) -> Optional[str]:
 
     Allowed: a rotary position embedding over every head dimension, of RoPE type ``default`` or
     ``llama3`` (``rope_parameters`` / ``rope_scaling``; the worker's
-    ``VTokenWorkerCore.find_rope`` checks the loaded layers the same way).
+    ``WorkerStep.find_rope`` checks the loaded layers the same way).
     """
     params = _get(hf_text_config, "rope_parameters") or _get(hf_text_config, "rope_scaling")
     theta = _get(hf_text_config, "rope_theta")

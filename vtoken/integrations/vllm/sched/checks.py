@@ -7,7 +7,7 @@ blocks == the pool, that each scheduled request holds exactly the blocks the acc
 says, and, with prefix caching, that a request that has evicted holds only private, unhashed
 blocks past its never-evicted prefix, and that every block a copy of a cached block writes is
 held by the request that planned it alone, unhashed (the worker checks its own moves:
-``WorkerDecisions``, ``VTOKEN_CHECK``). It also checks the figures the hot paths keep on the side:
+``WorkerEviction``, ``VTOKEN_CHECK``). It also checks the figures the hot paths keep on the side:
 the KV manager's delta per request (``BlockAccounting.deltas``) and each request row's blocks held
 and derived columns (``sched/counts.py``). ``VTOKEN_TRACE=<path>``: one JSON line per step
 (:func:`trace_record`).
@@ -36,7 +36,7 @@ def check_invariants(req_to_blocks: Mapping[str, list], block_pool, states: Mapp
         states: request id -> :class:`RequestState`.
         accounting: the scheduler's :class:`BlockAccounting`.
         scheduled: this step's ``num_scheduled_tokens``.
-        moves: this step's :class:`~vtoken.integrations.vllm.payload.StepPayload` (or None).
+        moves: this step's :class:`~vtoken.integrations.vllm.protocol.StepPayload` (or None).
 
     Raises:
         AssertionError: naming the request or block and the broken invariant.

@@ -13,7 +13,7 @@ requests run), compute with a few numpy operations over contiguous columns and w
 request: the fields in :data:`COLUMN_FIELDS` are properties over its row (reads return Python
 ints and bools, writes go to the row), every other field is an ordinary attribute, so all code
 that reads or writes a state field works unchanged. Its ``table`` is a :class:`ColumnCountTable`
-(the counts of :class:`vtoken.protocol.CountTable`, in the row). ``evict_log`` is kept in runs
+(the counts of :class:`vtoken.counts.CountTable`, in the row). ``evict_log`` is kept in runs
 (first decode step, tokens, steps): a request evicting the same count at consecutive decode
 steps extends its current run in the row (:meth:`CountColumns.log_evictions`); reading
 ``evict_log`` expands the runs into the ``(decode step, tokens)`` pairs of a plain state. When the
@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from vtoken.integrations.vllm.sched.state import RequestState
-from vtoken.protocol import CountTable
+from vtoken.counts import CountTable
 
 __all__ = ["COLUMNS", "COLUMN_FIELDS", "FLAG_FIELDS", "ColumnCountTable", "CountColumns", "CountNaive", "CountState"]
 
@@ -79,7 +79,7 @@ def derived(row: np.ndarray) -> tuple[int, int, int]:
     * ``threshold`` (:func:`threshold`);
     * ``cap_over`` = ``floor + recent - budget``: when it is <= 0, fixed pacing's count
       ``live - budget`` never exceeds the tokens no protection covers
-      (:func:`vtoken.protocol.evictable`: ``live - floor - recent`` once ``live > budget + slack
+      (:func:`vtoken.counts.evictable`: ``live - floor - recent`` once ``live > budget + slack
       >= floor + recent``), so it needs no cap;
     * ``ask_every`` = ``score_every`` (at least 1) for a request whose policy needs statistics,
       that may evict and has no fault, else 0: a decode step ``d`` asks for statistics when
@@ -228,7 +228,7 @@ def _flag_field(bit: int, name: str) -> property:
 
 
 class ColumnCountTable(CountTable):
-    """:class:`vtoken.protocol.CountTable` whose live and logical counts are a :class:`CountState`'s
+    """:class:`vtoken.counts.CountTable` whose live and logical counts are a :class:`CountState`'s
     row (every method is ``CountTable``'s, through the two properties)."""
 
     def __init__(self, st: "CountState", block_size: int):  # (no CountTable.__init__: the row holds the counts)

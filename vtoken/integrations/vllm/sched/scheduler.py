@@ -9,7 +9,7 @@ One eviction path (``docs/device-decisions.md``): the scheduler decides **how ma
 decides **which**. Per step, before the stock ``schedule()``, for each running request past its
 prefill (or, with ``prefill_eviction: chunks``, between two chunks of its prompt): ``k`` from
 fixed pacing (``live > budget + slack``: down to the budget) or the pressure plan, capped at the
-tokens no protection covers (:func:`vtoken.protocol.evictable`); the request's tail blocks past
+tokens no protection covers (:func:`vtoken.counts.evictable`); the request's tail blocks past
 ``cdiv(live - k + 1, B)`` go back to vLLM's block pool (Naive-Evict mode keeps the blocks the
 worker reports still hold a live token). The per-request integers are rows of one numpy array
 (``sched/counts.py``); nothing here touches a token, a score or a policy's state.
@@ -17,7 +17,7 @@ worker reports still hold a live token). The per-request integers are rows of on
 Then the stock ``schedule()`` runs; allocation counts live tokens
 (:class:`~vtoken.integrations.vllm.sched.accounting.VTokenFullAttentionManager`). The step's
 tokens are counted, scored steps are asked for, and a
-:class:`~vtoken.integrations.vllm.payload.StepPayload` rides on the ``SchedulerOutput`` to the
+:class:`~vtoken.integrations.vllm.protocol.StepPayload` rides on the ``SchedulerOutput`` to the
 workers, which select, move and fold statistics on the device. Whether a request is past its
 prefill, and so when eviction starts, is decided here from scheduler state, never from when
 outputs arrive, so async and sync scheduling make the same decisions.
@@ -53,11 +53,11 @@ from vtoken.integrations.vllm.sched.checks import check_invariants, trace_record
 from vtoken.integrations.vllm.sched import counts as C
 from vtoken.integrations.vllm.sched.counts import CountColumns, CountState
 from vtoken.integrations.vllm.sched.metrics import VTokenMetrics
-from vtoken.integrations.vllm.payload import StepPayload, WorkerSpec
+from vtoken.integrations.vllm.protocol import StepPayload, WorkerSpec
 from vtoken.integrations.vllm.sched.state import RequestState, VTokenStats, cdiv
 from vtoken.policies.base import AttentionNeed
 from vtoken.pacing import Candidate, plan_pressure_evictions
-from vtoken.protocol import evictable
+from vtoken.counts import evictable
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
@@ -228,7 +228,7 @@ class VTokenSchedulerMixin:
         # statistics of the hit's tokens (EvictionPolicy.keeps_hit: H2O's column sums, SnapKV's
         # window when the rest of the prompt is shorter) never got them, so the hit is kept
         # (protected): its blocks stay shared, never copied. The side cache is indexed by KV slot, so a shared block's policy state
-        # belongs to the request that computed it (worker/decisions.py, "Prefix caching"); any
+        # belongs to the request that computed it (worker/eviction.py, "Prefix caching"); any
         # other policy's hit is copied into private blocks now (_vt_copy_hit), and kept as under
         # prompt_statistics only when the free blocks cannot cover the copies.
         hit = max(0, request.num_computed_tokens - scheduled)
@@ -746,7 +746,7 @@ class VTokenSchedulerMixin:
     def _vt_resume(self, scheduled: dict[str, int]) -> None:
         """Kept states whose request vLLM resumed in this step: their offset goes to the worker
         again (a runner forgets a preempted request's); the worker restores their K/V and
-        policy state before the forward (``WorkerDecisions``, resumed requests)."""
+        policy state before the forward (``WorkerEviction``, resumed requests)."""
         for rid in [r for r in self._vt_suspended if r in scheduled]:
             st = self._vt_suspended.pop(rid)
             if st.table.offset:
@@ -865,7 +865,7 @@ class VTokenSchedulerMixin:
         needs no statistics of the hit's tokens: copy its hit blocks ``lo..hi-1`` into private
         blocks in this step (``_vt_copy_cached``), so the worker writes their policy state as
         for the request's own tokens and the request may evict inside its hit
-        (worker/decisions.py, "Prefix caching"). The copies reach the worker as
+        (worker/eviction.py, "Prefix caching"). The copies reach the worker as
         ``StepPayload.unshare`` (K/V copied before the forward) and as the block ids of the
         step's ``SchedulerOutput`` (:meth:`_vt_apply_hit_copies`). Returns False, changing
         nothing, when the free blocks cannot cover the copies (counted in
@@ -907,7 +907,7 @@ class VTokenSchedulerMixin:
         """Evict ``k`` tokens of ``rid`` in counts; the worker picks which.
 
         ``k`` (logged as asked, :meth:`RequestState.log_eviction`) is capped at the tokens no
-        protection covers (:func:`vtoken.protocol.evictable`), which is what the worker's
+        protection covers (:func:`vtoken.counts.evictable`), which is what the worker's
         selection evicts; the request's tail blocks past ``cdiv(live + 1, B)`` go back to the
         pool now. Prefix caching: a first eviction first
         copies the cached blocks the request may write (:meth:`_vt_ready_to_evict`), or is
@@ -993,7 +993,7 @@ class VTokenSchedulerMixin:
 
     def _vt_take_naive_freed(self, freed: dict[str, int], step: int) -> None:
         """The worker's Naive-Evict freed-block counts of step ``step``
-        (``WorkerDecisions.take_naive_freed``), read before vLLM finishes requests (so a finished
+        (``WorkerEviction.take_naive_freed``), read before vLLM finishes requests (so a finished
         request's figures include its last eviction). A count for a state made after that step
         (the request was preempted and started again since) is stale and dropped. Under
         ``mode: naive`` the tail blocks the new count releases go back to the pool at the start

@@ -2,7 +2,7 @@
 
 The scheduler checks its block accounting after every ``schedule()``
 (:mod:`vtoken.integrations.vllm.sched.checks`); the moves are decided on the worker, so the worker
-checks them, in :meth:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions.begin`, before
+checks them, in :meth:`~vtoken.integrations.vllm.worker.eviction.WorkerEviction.begin`, before
 the caller applies them to the KV cache:
 
 * **Owners.** Every move of a request reads and writes slots of that request's own blocks, as
@@ -18,7 +18,7 @@ the caller applies them to the KV cache:
   writes first (a request's own copies, its first eviction under prefix caching, are where its
   moves go next). A source block may have been truncated off the request and given to
   another in the same step: legal, since the moves run before the step's forward writes any
-  K/V; counted in ``WorkerDecisions.check_stats["freed_reused_same_step"]`` (tests show they
+  K/V; counted in ``WorkerEviction.check_stats["freed_reused_same_step"]`` (tests show they
   exercise that ordering).
 
 A failed check raises ``AssertionError`` naming the request, the set and the slots (as the
@@ -45,7 +45,7 @@ def check_group_moves(rids: list[str], rows: np.ndarray, table: np.ndarray, bloc
         block_size: ``B``.
         live_before: int64 ``[R]`` live tokens before the eviction.
         shared: int64 ``[R]`` shared prefix-cache slots of each request.
-        ev: the :class:`vtoken.decider.Eviction`.
+        ev: the :class:`vtoken.side_cache.Eviction`.
 
     Returns:
         ``(req_id, dst block, src block)`` per move, for :func:`check_step_blocks`.

@@ -10,7 +10,7 @@ plugin) follows vLLM's choice (``VllmConfig.use_v2_model_runner``):
   by rebinding ``vllm.v1.worker.cpu.model_runner.CPUModelRunner`` (which ``init_device``
   imports at call time) the same way.
 
-Both adapters share :class:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore`
+Both adapters share :class:`~vtoken.integrations.vllm.worker.step.WorkerStep`
 (moves, offsets, scores); see their modules for the runner seams. Under ``decide_on: worker``
 ``determine_available_memory`` counts the side cache against the KV cache's memory.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vtoken.integrations.vllm.worker.decisions import reserve_side_cache
+from vtoken.integrations.vllm.worker.eviction import reserve_side_cache
 from vtoken.integrations.vllm.worker.runner_v1 import VTokenCPUModelRunner
 from vtoken.integrations.vllm.worker.scoring import StepScores
 
@@ -47,7 +47,7 @@ class VTokenCPUWorker(CPUWorker):
 
     def determine_available_memory(self) -> int:
         """vLLM's KV-cache bytes, less the side cache of ``decide_on: worker``'s policy, which
-        shadows every KV slot (:func:`~vtoken.integrations.vllm.worker.decisions.reserve_side_cache`:
+        shadows every KV slot (:func:`~vtoken.integrations.vllm.worker.eviction.reserve_side_cache`:
         both are sized together and the split is logged)."""
         available = super().determine_available_memory()
         specs = list(self.get_kv_cache_spec().values())

@@ -21,7 +21,7 @@ from FULL graphs**, and leaves every other step to vLLM's choice (docs/integrati
   re-dispatch pinned to FULL), the step runs with ``valid_modes={NONE}``.
 
 The per-step predicate is ``needs_scores()``: true when the step's payload asks for scores
-for a request in the batch (``VTokenWorkerCore.score_reqs``, set in ``begin_step`` before
+for a request in the batch (``WorkerStep.score_reqs``, set in ``begin_step`` before
 vLLM dispatches). Moves and physical offsets are applied outside any graph (before the
 forward, into persistent buffers), so unscored steps keep their FULL graphs.
 

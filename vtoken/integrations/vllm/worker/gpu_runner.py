@@ -4,8 +4,8 @@ The seams are those of the CPU adapters (:class:`~vtoken.integrations.vllm.worke
 :class:`~vtoken.integrations.vllm.worker.runner_v2.VTokenV2Adapter`, see their modules and
 docs/integration.md); this module supplies the CUDA side of their hooks:
 
-* **Moves**: the worker's decisions (``WorkerDecisions``, device tensors) plan them and
-  :meth:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore.begin_step` applies them per
+* **Moves**: the worker's decisions (``WorkerEviction``, device tensors) plan them and
+  :meth:`~vtoken.integrations.vllm.worker.step.WorkerStep.begin_step` applies them per
   token set through the :class:`PagedKVLayout`, on the current (the runner's main) stream,
   before the stock ``_update_states`` / ``update_requests``, so before the forward and any
   KV write of the step.
@@ -48,7 +48,7 @@ from vtoken.integrations.vllm.worker import cudagraphs
 from vtoken.integrations.vllm.worker.kv_layout import PagedKVLayout, flash_attn_kv_layout
 from vtoken.integrations.vllm.worker.runner_v1 import VTokenV1Adapter
 from vtoken.integrations.vllm.worker.runner_v2 import VTokenV2Adapter
-from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.step import WorkerStep
 from vtoken.policies.base import AttentionNeed
 
 __all__ = ["PinnedStaging", "GPUStepScores", "VTokenGPUWorkerCore", "VTokenGPUModelRunner",
@@ -174,7 +174,7 @@ class GPUStepScores:
         return {rid: r for rid, r in zip(self._rids, res) if r[0] is not None or r[1] is not None}
 
 
-def check_caches(core: VTokenWorkerCore, block_size: int) -> int:
+def check_caches(core: WorkerStep, block_size: int) -> int:
     """Check every distinct KV cache view against its layout and the manager's block size.
 
     Returns:
@@ -198,8 +198,8 @@ def check_caches(core: VTokenWorkerCore, block_size: int) -> int:
     return len(caches)
 
 
-class VTokenGPUWorkerCore(VTokenWorkerCore):
-    """:class:`VTokenWorkerCore` with device-side moves and the Triton scorer (module docstring).
+class VTokenGPUWorkerCore(WorkerStep):
+    """:class:`WorkerStep` with device-side moves and the Triton scorer (module docstring).
 
     Args:
         forward_context: the runner's ``static_forward_context``.
@@ -217,7 +217,7 @@ class VTokenGPUWorkerCore(VTokenWorkerCore):
     def start_scoring(self, req_ids: list[str], positions: Optional[torch.Tensor] = None) -> None:
         """Arm a :class:`GPUStepScores` for the rows of this batch that asked for scores (batch
         order) when each keeps one token set and needs only column sums or the last row; else
-        the runner-neutral scorer (:meth:`VTokenWorkerCore.start_scoring`)."""
+        the runner-neutral scorer (:meth:`WorkerStep.start_scoring`)."""
         self.step = None
         if self.score_reqs:
             rows = [(i, r, self.score_reqs[r]) for i, r in enumerate(req_ids) if r in self.score_reqs]

@@ -4,7 +4,7 @@ and its CPU subclass ``vllm.v1.worker.cpu_model_runner.CPUModelRunner``).
 Seams (patches/ entries under ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``):
 
 * ``_update_states``: before the stock method (so before the forward and any KV write),
-  :meth:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore.begin_step` applies the
+  :meth:`~vtoken.integrations.vllm.worker.step.WorkerStep.begin_step` applies the
   cached blocks' copies and the moves; the request's ``block_ids`` and its row of the input
   batch's block table get the copies' block ids (``payload.unshare``) and are cut to the kept
   prefix.
@@ -24,7 +24,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vtoken.integrations.vllm.worker.kv_layout import KVLayout, cpu_kv_layout
-from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.step import WorkerStep
 
 __all__ = ["VTokenV1Adapter", "VTokenCPUModelRunner", "cpu_layout_for"]
 
@@ -47,8 +47,8 @@ class VTokenV1Adapter:
         super().__init__(*args, **kwargs)
         self._vt = self._vt_new_core()
 
-    def _vt_new_core(self) -> VTokenWorkerCore:
-        return VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
+    def _vt_new_core(self) -> WorkerStep:
+        return WorkerStep(self.compilation_config.static_forward_context, cpu_layout_for)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)

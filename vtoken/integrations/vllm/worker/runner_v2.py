@@ -6,7 +6,7 @@ Seams (patches/ entries under ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``
 * ``finish_requests``: offsets of finished and preempted requests are dropped.
 * ``update_requests``: before the stock method (which appends this step's new blocks, zeroes
   fresh blocks and applies copy-on-write copies) and so before any KV write of the step,
-  :meth:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore.begin_step` applies the
+  :meth:`~vtoken.integrations.vllm.worker.step.WorkerStep.begin_step` applies the
   moves, and each truncated row is rewritten from the kept block ids
   (``BlockTables.append_block_ids(..., overwrite=True)``: Model Runner V2 keeps no host copy
   of its block tables, so the payload carries the ids).
@@ -34,7 +34,7 @@ import torch
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 
 from vtoken.integrations.vllm.worker.runner_v1 import cpu_layout_for
-from vtoken.integrations.vllm.worker.core import VTokenWorkerCore
+from vtoken.integrations.vllm.worker.step import WorkerStep
 
 __all__ = ["VTokenV2Adapter", "VTokenCPUModelRunnerV2"]
 
@@ -56,8 +56,8 @@ class VTokenV2Adapter:
         #: this step's per-row offsets (batch order), set by prepare_attn for the metadata build
         self._vt_batch_off: Optional[np.ndarray] = None
 
-    def _vt_new_core(self) -> VTokenWorkerCore:
-        return VTokenWorkerCore(self.compilation_config.static_forward_context, cpu_layout_for)
+    def _vt_new_core(self) -> WorkerStep:
+        return WorkerStep(self.compilation_config.static_forward_context, cpu_layout_for)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)

@@ -1,7 +1,7 @@
 """Attention statistics for the eviction policies, computed next to the stock attention kernel.
 
 :class:`StepScores` is filled by the attention wrapper of
-:class:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore`, layer by layer, from the
+:class:`~vtoken.integrations.vllm.worker.step.WorkerStep`, layer by layer, from the
 query the attention layer received and the keys it reads back from the KV cache through the
 backend's :class:`~vtoken.integrations.vllm.worker.kv_layout.KVLayout`. The statistics are those of
 :mod:`vtoken.policies.base` (post-softmax probabilities averaged over query heads and layers).
@@ -143,7 +143,7 @@ def set_means_batched(gran: str, t: torch.Tensor) -> torch.Tensor:
 
 class BatchedScores(Mapping):
     """One step's statistics as :meth:`StepScores.batched` hands them to
-    ``WorkerDecisions.fold``: the one-query rows (every decode row) as padded tensors, the rest
+    ``WorkerEviction.fold``: the one-query rows (every decode row) as padded tensors, the rest
     (prefill rows over several queries, key norms) as a :data:`ScoreMap` (``StepScores.result``'s
     format).
 
@@ -172,7 +172,7 @@ class BatchedScores(Mapping):
         return bool(self.rest) or any(r is not None for r in self.rids)
 
     # the read-only mapping of a ``ScoreMap`` (tests and hooks that read or rewrite a step's
-    # statistics; ``WorkerDecisions.fold`` takes the tensors): built once, on the first read
+    # statistics; ``WorkerEviction.fold`` takes the tensors): built once, on the first read
     @functools.cached_property
     def _map(self) -> dict:
         out = dict(self.legacy([i for i, r in enumerate(self.rids) if r is not None])) if self.legacy else {}
@@ -217,7 +217,7 @@ class StepScores:
         windows: req_id -> observation window of the rows that need ``AttentionNeed.WINDOW``.
         rope: for rows that need ``AttentionNeed.QUERY_MOMENTS`` (Expected Attention):
             ``((cos_sin [max_position, D], a, b), positions)``, the model's RoPE
-            (``VTokenWorkerCore.find_rope``) and the step's logical positions ``[>= num_tokens]``.
+            (``WorkerStep.find_rope``) and the step's logical positions ``[>= num_tokens]``.
             Each layer keeps the queries of such rows (tokens at positions below ``QUERY_SKIP``
             left out); :meth:`take_moments` un-rotates them at their positions and sums them and
             their per-pair second moments (:func:`vtoken.policies.expected_attention.pair_terms`)
@@ -483,7 +483,7 @@ class StepScores:
         return [] if self._plan is None else [k[0] for k in self._plan["keyed"]]
 
     def take_key_norms(self, rids: set[str]) -> Optional[tuple[list[tuple[str, int, int, int]], torch.Tensor]]:
-        """Hand the key norms of rows ``rids`` to the caller (``WorkerDecisions.write_key_norms``)
+        """Hand the key norms of rows ``rids`` to the caller (``WorkerEviction.write_key_norms``)
         instead of :meth:`result`, which no longer reports them.
 
         Returns:
@@ -574,7 +574,7 @@ class StepScores:
         return self._add_rest(out)
 
     def batched(self) -> BatchedScores:
-        """The step's statistics for ``WorkerDecisions.fold`` (:class:`BatchedScores`): the same
+        """The step's statistics for ``WorkerEviction.fold`` (:class:`BatchedScores`): the same
         values as :meth:`result`, the one-query rows as padded tensors (no per-row arrays)."""
         self._finish_singles()
         plan = self._plan

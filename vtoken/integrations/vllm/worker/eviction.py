@@ -1,12 +1,12 @@
-"""The worker picks the victims (``docs/device-decisions.md``).
+"""The worker's eviction step: it picks the victims (``docs/device-decisions.md``).
 
 The scheduler sends, per step, how many tokens each request evicts (``StepPayload.evict``)
 and, when it makes a request's state, the request's policy and protections
-(``StepPayload.states``). :class:`WorkerDecisions`, owned by the runner-neutral
-:class:`~vtoken.integrations.vllm.worker.core.VTokenWorkerCore`, keeps what the choice
+(``StepPayload.states``). :class:`WorkerEviction`, owned by the runner-neutral
+:class:`~vtoken.integrations.vllm.worker.step.WorkerStep`, keeps what the choice
 needs on the worker, next to the KV cache:
 
-* one :class:`~vtoken.decider.DeviceDecider` per policy (requests grouped by policy class and
+* one :class:`~vtoken.side_cache.DeviceDecider` per policy (requests grouped by policy class and
   policy arguments; protections are per request), whose side cache holds each token's logical
   position and policy state, paged like the KV cache;
 * its own copy of each tracked request's block ids, kept from the ``SchedulerOutput`` every
@@ -58,12 +58,12 @@ import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig
-from vtoken.decider import DeviceDecider, side_bytes_per_token
-from vtoken.integrations.vllm.payload import ScoreMap, StepPayload, WorkerSpec
+from vtoken.side_cache import DeviceDecider, side_bytes_per_token
+from vtoken.integrations.vllm.protocol import ScoreMap, StepPayload, WorkerSpec
 from vtoken.policies.base import AttentionNeed
 from vtoken.integrations.vllm.worker.scoring import BatchedScores, set_means, set_means_batched
 
-__all__ = ["WorkerDecisions", "reserve_side_cache"]
+__all__ = ["WorkerEviction", "reserve_side_cache"]
 
 logger = logging.getLogger("vllm.vtoken")
 
@@ -79,7 +79,7 @@ def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_
     """The KV cache's share of ``available`` bytes once the side cache of the engine's policy is
     counted against it (``docs/device-decisions.md``, "Memory").
 
-    The side cache shadows every KV slot (``WorkerDecisions``), so with ``s`` side-cache bytes
+    The side cache shadows every KV slot (``WorkerEviction``), so with ``s`` side-cache bytes
     and ``kv`` K/V bytes per token, ``available`` holds ``available / (kv + s)`` tokens of both:
     the KV cache gets ``available * kv // (kv + s)`` bytes. Reserved for the engine's own policy
     and granularity; a request that overrides them (``vtoken_policy``, ``vtoken_granularity``)
@@ -147,7 +147,7 @@ class _Group:
     def __init__(self, policy, granularity: str, sets: int, num_slots: int, block_size: int, device, gid: int = 0):
         self.policy = policy
         self.granularity = granularity
-        self.gid = gid  #: index in ``WorkerDecisions._glist`` (the high half of a request's code)
+        self.gid = gid  #: index in ``WorkerEviction._glist`` (the high half of a request's code)
         self.dec = DeviceDecider(policy, num_slots, block_size, max_requests=16, device=device, num_sets=sets)
         self.free: list[int] = list(range(15, -1, -1))
         self.bt = np.zeros((16, 16), dtype=np.int64)  # row -> block ids (a prefix of nblocks[row])
@@ -233,7 +233,7 @@ class _Group:
         return torch.from_numpy(self.bt[rows]).to(self.dec.live.device)
 
 
-class WorkerDecisions:
+class WorkerEviction:
     """The worker's side of the eviction: which tokens (module docstring).
 
     Args:
@@ -266,7 +266,7 @@ class WorkerDecisions:
         #: for a policy with ``eviction_keys`` (KeyDiff, Expected Attention): ``(policy,
         #: block_table [R, nblk], live [R], granularity, moments=, start=) -> float64
         #: [R, S, max live]``, the policy's statistic from the KV cache
-        #: (``VTokenWorkerCore.eviction_key_stats``), read right before the group evicts
+        #: (``WorkerStep.eviction_key_stats``), read right before the group evicts
         self.key_reader: Optional[Callable[..., torch.Tensor]] = None
         #: the groups that evicted since :meth:`take_naive_freed` last ran (a step that schedules
         #: no token never samples, so its entries wait for the next): (group, rows, request
@@ -312,7 +312,7 @@ class WorkerDecisions:
         """Preempted requests whose state the scheduler keeps (``StepPayload.suspend``), after this
         step's eviction: save each one's side-cache state of the blocks holding its live slots
         (``cdiv(live, B)``, every set) and forget its blocks. Returns ``(req_id, block ids)``
-        (int64 ``[cdiv(live, B)]``) whose K/V the caller saves (:meth:`VTokenWorkerCore.begin_step`),
+        (int64 ``[cdiv(live, B)]``) whose K/V the caller saves (:meth:`WorkerStep.begin_step`),
         before any write of the step. One host read of the live count per preemption."""
         out = []
         for rid in rids:
@@ -423,7 +423,7 @@ class WorkerDecisions:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every group's side-cache state (every token set) of global slots ``src`` to ``dst``
-        (int64 ``[M]``; prefix caching's block copies, ``VTokenWorkerCore.copy_blocks``)."""
+        (int64 ``[M]``; prefix caching's block copies, ``WorkerStep.copy_blocks``)."""
         for g in self.groups.values():
             g.dec.side.move(src.to(g.dec.live.device), dst.to(g.dec.live.device))
 

@@ -1,4 +1,4 @@
-"""The eviction protocol in counts: what the scheduler needs to say "how many" without tokens.
+"""The scheduler's counts: what it needs to say "how many" without seeing a token.
 
 The scheduler (``docs/device-decisions.md``) never sees a token's
 score or logical position. Per request and step it works from integers only:
@@ -10,7 +10,7 @@ score or logical position. Per request and step it works from integers only:
   ``Reference.select_victims`` in ``tests/reference/policies.py``) then evicts;
 * :class:`CountTable` keeps the live and logical counts the block accounting needs
   (``cdiv(live, B)`` blocks); the worker keeps the token table itself, in its side cache
-  (:class:`vtoken.decider.SideCache`).
+  (:class:`vtoken.side_cache.SideCache`).
 
 This module never imports vllm.
 """

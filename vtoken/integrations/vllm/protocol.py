@@ -1,4 +1,4 @@
-"""Per-step data exchanged between the vToken scheduler and the vToken model runner.
+"""The protocol: the per-step data the vToken scheduler and the vToken model runner exchange.
 
 Scheduler -> worker: :class:`StepPayload`, attached as ``SchedulerOutput.vtoken``
 (a dynamic attribute; ``SchedulerOutput`` is a plain dataclass that the ``mp``
@@ -86,7 +86,7 @@ class StepPayload:
             scheduler made in this step (first scheduled, or again after a preemption): the
             worker starts its token table empty (counting this step's tokens).
         evict: req_id -> ``k``, the tokens to evict before this step's forward; the worker
-            picks which (:mod:`vtoken.decider`) and moves K/V and policy state itself.
+            picks which (:mod:`vtoken.side_cache`) and moves K/V and policy state itself.
         suspend: requests vLLM preempted in this step whose state the scheduler keeps (``mode:
             vtoken``): after this step's eviction of them (``evict``), the worker saves their live
             K/V and side-cache state (their blocks are back in the pool) and restores both into

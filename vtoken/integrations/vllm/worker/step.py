@@ -1,11 +1,11 @@
-"""The runner-neutral part of vToken's worker: decisions, moves, offsets, statistics.
+"""The worker's step, runner-neutral: decisions, moves, offsets, statistics.
 
 Both model-runner adapters (``runner_v1.py`` for vLLM's V1 ``GPUModelRunner`` family,
-``runner_v2.py`` for Model Runner V2) own one :class:`VTokenWorkerCore` and call it at
+``runner_v2.py`` for Model Runner V2) own one :class:`WorkerStep` and call it at
 their runner's seams. Per step, before any KV write of the step:
 
-1. :meth:`VTokenWorkerCore.begin_step` lets
-   :class:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions` select each evicting
+1. :meth:`WorkerStep.begin_step` lets
+   :class:`~vtoken.integrations.vllm.worker.eviction.WorkerEviction` select each evicting
    request's victims and applies the moves it plans in every layer (they may read blocks the
    scheduler freed in this step and already handed to another request: reading before any
    write keeps that safe), records the offsets (logical minus live tokens) and which requests
@@ -41,13 +41,13 @@ import torch
 
 from vtoken.policies.base import AttentionNeed
 from vtoken.integrations.vllm.worker.kv_layout import CPULayerStack, KVLayout
-from vtoken.integrations.vllm.payload import ScoreMap, StepPayload
+from vtoken.integrations.vllm.protocol import ScoreMap, StepPayload
 from vtoken.integrations.vllm.worker.scoring import StepScores
-from vtoken.integrations.vllm.worker.decisions import WorkerDecisions
+from vtoken.integrations.vllm.worker.eviction import WorkerEviction
 
 logger = logging.getLogger("vllm.vtoken")
 
-__all__ = ["VTokenWorkerCore"]
+__all__ = ["WorkerStep"]
 
 LayoutFactory = Callable[[Any, torch.Tensor], KVLayout]
 
@@ -57,7 +57,7 @@ def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:
         setattr(obj, k, v)
 
 
-class VTokenWorkerCore:
+class WorkerStep:
     """Per-worker vToken state shared by every runner adapter (module docstring).
 
     Args:
@@ -83,7 +83,7 @@ class VTokenWorkerCore:
         #: test hook (docs/scaling.md): ``VTOKEN_TEST_WORKER_DIR`` -> per-rank KV digests and all-reduce log
         self.test_dir = os.environ.get("VTOKEN_TEST_WORKER_DIR") or None
         #: the decisions (made on the first payload that announces a request state)
-        self.decisions: Optional[WorkerDecisions] = None
+        self.decisions: Optional[WorkerEviction] = None
         #: preempted requests whose state is kept: req_id -> every layer's K/V blocks holding its
         #: live tokens (host memory, ``[cdiv(live, B), H, B, 2*hd]`` per layer), restored at the resume
         self._saved_kv: dict[str, list[torch.Tensor]] = {}
@@ -202,13 +202,13 @@ class VTokenWorkerCore:
 
         Must run before any KV write of the step. Block-table truncation
         (``payload.truncate`` / ``payload.kept_blocks``) is the adapter's job. The moves are this
-        worker's own choice (:class:`~vtoken.integrations.vllm.worker.decisions.WorkerDecisions`,
+        worker's own choice (:class:`~vtoken.integrations.vllm.worker.eviction.WorkerEviction`,
         which reads ``scheduler_output`` for the step's block ids and token counts).
         """
         if payload is not None and payload.states and self.decisions is None:
             caches = self.kv_caches()
             kv = caches[0][0]  # every layout's view: [num_blocks, H, block_size, 2*hd]
-            self.decisions = WorkerDecisions(kv.shape[0], kv.shape[2], kv.device,
+            self.decisions = WorkerEviction(kv.shape[0], kv.shape[2], kv.device,
                                              kv_bytes=sum(t.numel() * t.element_size() for t, _ in caches),
                                              num_layers=len(caches), num_kv_heads=kv.shape[1])
             self.decisions.key_reader = self.eviction_key_stats
@@ -360,7 +360,7 @@ class VTokenWorkerCore:
         Args:
             table, live, gran: as :meth:`key_similarity_sets` (sets reduce the same way).
             moments: float64 ``(qsum [R, L, Hq, D], qpair [R, L, Hq, D/2, 3], count [R])``, this
-                rank's query heads (``WorkerDecisions``).
+                rank's query heads (``WorkerEviction``).
             start: int64 ``[R]``: each request's next logical position.
             n_future: positions the RoPE rotation is averaged over.
 
@@ -393,7 +393,7 @@ class VTokenWorkerCore:
                            moments: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                            start: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The eviction-time statistic of a policy with ``eviction_keys``
-        (``WorkerDecisions.key_reader``): :meth:`expected_attention_sets` for a policy that needs
+        (``WorkerEviction.key_reader``): :meth:`expected_attention_sets` for a policy that needs
         ``AttentionNeed.QUERY_MOMENTS``, else KeyDiff's :meth:`key_similarity_sets`."""
         if policy.needs & AttentionNeed.QUERY_MOMENTS:
             return self.expected_attention_sets(table, live, gran, moments, start, policy.n_future)
@@ -489,7 +489,7 @@ class VTokenWorkerCore:
 
     def finish_step(self) -> None:
         """Fold the step's statistics (req_id -> (col_sum, last_row)) into the side cache
-        (:meth:`WorkerDecisions.fold`); disarms :attr:`step`.
+        (:meth:`WorkerEviction.fold`); disarms :attr:`step`.
 
         Under tensor parallelism the statistics are reduced over the TP group first
         (:meth:`_reduce_over_tp`); whether that collective runs depends only on the step's
@@ -518,7 +518,7 @@ class VTokenWorkerCore:
 
     def take_naive_freed(self) -> Optional[dict[str, int]]:
         """The step's changed Naive-Evict freed-block counts
-        (:meth:`WorkerDecisions.take_naive_freed`), or None."""
+        (:meth:`WorkerEviction.take_naive_freed`), or None."""
         if self.decisions is None:
             return None
         world = self._tp_world()
@@ -623,7 +623,7 @@ class VTokenWorkerCore:
         """Hang ``naive_freed`` (req_id -> Naive-Evict's freed blocks) on the step's output as
         ``vtoken_naive_freed``, the moves and seconds since the last output (:attr:`report`) as
         ``vtoken_worker``, and the faults confined to one request since then
-        (:meth:`WorkerDecisions.take_faults`, req_id -> message) as ``vtoken_faults``; returns the
+        (:meth:`WorkerEviction.take_faults`, req_id -> message) as ``vtoken_faults``; returns the
         output to pass on.
 
         Handles a ``ModelRunnerOutput`` (a shared empty one is copied first), Model Runner

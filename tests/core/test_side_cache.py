@@ -1,4 +1,4 @@
-"""vtoken.decider: random traces replayed through the batched device path (side cache, batched
+"""vtoken.side_cache: random traces replayed through the batched device path (side cache, batched
 policies, select_victims, plan_moves) and through the per-request path the scheduler runs today
 (TokenTable + EvictionPolicy + SlotState + plan_repack): the same victims, moves and tables."""
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from vtoken.policies import available_policies
 from vtoken.config import VTokenConfig
-from vtoken.decider import DeviceDecider, SideCache
+from vtoken.side_cache import DeviceDecider, SideCache
 from reference.policies import AttentionStats, TokenView, reference
 from vtoken.policies.base import AttentionNeed
 from reference.repack import NaiveEvictCounter
@@ -277,7 +277,7 @@ def test_shared_prefix_state_is_read_only_for_the_sharer():
 def test_side_bytes_per_token_is_what_the_side_cache_holds(policy_name, sets):
     """The start-up reservation (``side_bytes_per_token``) equals what a made side cache reports,
     and H2O's is an int64 position plus a float64 accumulator per set."""
-    from vtoken.decider import side_bytes_per_token
+    from vtoken.side_cache import side_bytes_per_token
 
     pol = VTokenConfig(policy=policy_name, budget=8,).make_policy()
     made = SideCache(64, pol.side_specs(), num_sets=sets).bytes_per_token

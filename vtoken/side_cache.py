@@ -1,4 +1,5 @@
-"""The worker's half of an eviction decision: paged policy state and batched decisions.
+"""The side cache and the batched decisions on it: the engine-independent half of the worker's eviction step
+(per-slot logical positions, i.e. the token table, and policy state, paged like the KV cache).
 
 "The scheduler says how many, the worker says which" (``docs/device-decisions.md``). The
 scheduler computes, from integers only, how many tokens ``k`` each request evicts in a step;
@@ -19,7 +20,7 @@ request's row, which the caller assigns (as vLLM's ``InputBatch`` assigns rows).
 Everything is torch tensor code on one device (CPU here, CUDA on a GPU): no per-request or
 per-token Python, no host sync inside a step (the move lists have data-dependent length).
 Each row's decisions equal the per-request references' (``tests/reference/``: token table,
-policies, ``plan_repack``): ``tests/core/test_decider.py`` replays random traces through both.
+policies, ``plan_repack``): ``tests/core/test_side_cache.py`` replays random traces through both.
 
 Precision: accumulators keep the dtype a policy declares (float64 for H2O and TOVA). GPUs run
 float64 adds at a fraction of float32 speed, but a side-cache update is one elementwise add
