@@ -70,6 +70,12 @@ RATIOS = [0.125, 0.25, 0.5]
 POLICIES = ["h2o", "tova", "snapkv", "streaming"]
 LENGTHS = [1024, 2048]
 SMALL = dict(tasks=["niah_single_1"], lengths=[1024], policies=["h2o"], ratios=[0.25], limit=20)
+#: ``--heatmap``: the needle heatmap (accuracy by needle depth x context length) for the default
+#: policy (H2O) and the best one at 25 % in ``tasks_1k.json`` (TOVA)
+HEATMAP = dict(tasks=["niah_single_1"], lengths=[1024, 2048, 4096], policies=["h2o", "tova"], ratios=[0.25],
+               limit=40)
+#: needle-depth bins of the heatmap (fractions of the prompt where the needle's value starts)
+DEPTH_BINS = 5
 FULL_LIMIT = 25
 
 
@@ -183,6 +189,40 @@ def samples_from_jsonl(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
         refs = s["doc"]["outputs"]
         out.append((str(resp), [refs] if isinstance(refs, str) else list(refs)))
     return out
+
+
+def sample_depths(lines: Iterable[str]) -> list[Optional[float]]:
+    """Where each sample's needle sits: the offset of its first reference string in the prompt
+    (``doc["input"]``) as a fraction of the prompt's length, in ``[0, 1)``; None when absent (a task
+    whose answer is not copied from the context)."""
+    out: list[Optional[float]] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        doc = json.loads(line)["doc"]
+        text, refs = str(doc.get("input", "")), doc["outputs"]
+        ref = refs if isinstance(refs, str) else (refs[0] if refs else "")
+        i = text.find(str(ref)) if ref else -1
+        out.append(i / len(text) if i >= 0 and text else None)
+    return out
+
+
+def by_depth(samples: list[tuple[str, list[str]]], depths: list[Optional[float]], bins: int = DEPTH_BINS
+             ) -> list[dict[str, Any]]:
+    """Accuracy per needle-depth bin: ``bins`` equal bins of ``[0, 1)``, each ``{lo, hi, n, correct,
+    accuracy}`` (accuracy None for an empty bin); samples without a depth are left out."""
+    cells = [dict(lo=i / bins, hi=(i + 1) / bins, n=0, correct=0, score=0.0) for i in range(bins)]
+    for (pred, refs), d in zip(samples, depths):
+        if d is None:
+            continue
+        c = cells[min(int(d * bins), bins - 1)]
+        sc = score_sample(pred, refs)
+        c["n"] += 1
+        c["score"] += sc
+        c["correct"] += sc == 1.0
+    for c in cells:
+        c["accuracy"] = c.pop("score") / c["n"] if c["n"] else None
+    return cells
 
 
 def accuracy(samples: list[tuple[str, list[str]]]) -> dict[str, Any]:
@@ -372,8 +412,10 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
     rfiles = sorted(glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True))
     if not sfiles:
         raise RuntimeError(f"no samples file under {out_dir}")
-    samples = samples_from_jsonl(Path(sfiles[-1]).read_text().splitlines())
+    lines = Path(sfiles[-1]).read_text().splitlines()
+    samples = samples_from_jsonl(lines)
     acc = accuracy(samples)
+    depths = sample_depths(lines)
     reported = lm_eval_reported(json.loads(Path(rfiles[-1]).read_text()), task, length) if rfiles else None
     sent = xargs_summary(xlog.read_text().splitlines() if xlog.exists() else [])
     if alone:
@@ -386,6 +428,8 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
                 examples=[dict(answer=s[0][:200], refs=s[1]) for s in samples[:2]],
                 wall_s=wall, load_before=load_before, load_after=load_after,
                 command=" ".join(shlex.quote(x) for x in argv))
+    if any(d is not None for d in depths):
+        cell["by_depth"] = by_depth(samples, depths)
     cell["_samples"] = samples
     return cell
 
@@ -470,10 +514,49 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def heatmap_grid(doc: dict[str, Any], arm: str, task: str) -> tuple[list[int], list[list[Optional[float]]]]:
+    """``(lengths, grid)``: ``grid[bin][j]`` = the arm's accuracy at depth bin ``bin`` (shallow first)
+    and length ``lengths[j]`` (None: no sample there)."""
+    cells = sorted((c for c in doc["cells"] if c["arm"] == arm and c["task"] == task and "by_depth" in c),
+                   key=lambda c: c["length"])
+    lengths = [c["length"] for c in cells]
+    bins = len(cells[0]["by_depth"]) if cells else 0
+    return lengths, [[c["by_depth"][b]["accuracy"] for c in cells] for b in range(bins)]
+
+
+def plot_heatmap(doc: dict[str, Any], path: Path) -> None:
+    """One panel per arm: accuracy by needle depth (rows) and context length (columns), numbers printed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    task = next(c["task"] for c in doc["cells"] if "by_depth" in c)
+    arms = [x["name"] for x in doc["arms"]]
+    fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms), 3.4), squeeze=False)
+    for ax, arm in zip(axes[0], arms):
+        lengths, grid = heatmap_grid(doc, arm, task)
+        vals = [[float("nan") if v is None else v for v in row] for row in grid]
+        im = ax.imshow(vals, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for b, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, b, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" for n in lengths])
+        ax.set_yticks(range(len(grid)), [f"{100 * b // len(grid)}-{100 * (b + 1) // len(grid)} %" for b in range(len(grid))])
+        ax.set_title(arm, fontsize=9)
+        ax.set_xlabel("context length")
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle(f"{task}: accuracy by needle depth, SmolLM2-135M, budget 25 % of the prompt", fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help=f"smoke: {SMALL}")
+    ap.add_argument("--heatmap", action="store_true", help=f"the needle heatmap: {HEATMAP}")
     ap.add_argument("--tasks", nargs="+", default=None, choices=TASKS)
     ap.add_argument("--lengths", nargs="+", type=int, default=None)
     ap.add_argument("--policies", nargs="+", default=None)
@@ -509,12 +592,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         plot(doc, out.with_suffix(".png"))
         print(f"rederived {out} and {out.with_suffix('.png')}")
         return 0
-    preset = SMALL if a.small else dict(tasks=TASKS, lengths=LENGTHS, policies=POLICIES, ratios=RATIOS,
+    preset = SMALL if a.small else HEATMAP if a.heatmap else dict(tasks=TASKS, lengths=LENGTHS, policies=POLICIES, ratios=RATIOS,
                                          limit=FULL_LIMIT)
     for k, v in preset.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    a.name = a.name or ("tasks_smoke" if a.small else "tasks")
+    a.name = a.name or ("tasks_smoke" if a.small else "tasks_needle" if a.heatmap else "tasks")
     a.max_model_len = a.max_model_len or max(a.lengths) + 512
     if a.model is None:
         from vtoken.assets.paths import smollm2_dir
@@ -617,6 +700,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.write_text(json.dumps(doc, indent=1))
     (RESULTS / f"{a.name}.partial.json").unlink(missing_ok=True)
     plot(doc, RESULTS / f"{a.name}.png")
+    if any("by_depth" in c for c in doc["cells"]):
+        plot_heatmap(doc, RESULTS / f"{a.name}_heatmap.png")
     for c in doc["cells"]:
         print(f"{c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} (n {c['n']}), KV kept "
               f"{c['kv_kept_fraction'] if c['kv_kept_fraction'] is None else round(c['kv_kept_fraction'], 3)}")

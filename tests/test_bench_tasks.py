@@ -362,3 +362,21 @@ def test_shared_kv_and_rederive():
                   kv=dict(mean_kept_tokens=111.0))]
     bt.rederive(dict(cells=cells), 32)
     assert [c["kv_kept_fraction"] for c in cells] == [1.0, 109.5 / 874.0, 111.0 / 874.0]
+
+
+def test_needle_depth_is_where_the_answer_sits_in_the_prompt():
+    """The heatmap's depth: the offset of the first reference in ``doc["input"]`` over its length,
+    binned in fifths; a sample whose answer is not in its prompt has no depth."""
+    def line(text, refs, answer):
+        return json.dumps({"doc": {"input": text, "outputs": refs}, "resps": [[answer]], "filtered_resps": [answer]})
+
+    lines = [line("x" * 10 + "1234567" + "y" * 83, ["1234567"], "1234567"),  # 10 / 100
+             line("x" * 50 + "7654321" + "y" * 43, ["7654321"], "no"),  # 50 / 100
+             line("x" * 99 + "5", ["5"], "5"),  # 99 / 100
+             line("nothing here", ["42"], "42")]
+    depths = bt.sample_depths(lines)
+    assert depths == [0.1, 0.5, 0.99, None]
+    cells = bt.by_depth(bt.samples_from_jsonl(lines), depths)
+    assert [(c["n"], c["correct"], c["accuracy"]) for c in cells] == [
+        (1, 1, 1.0), (0, 0, None), (1, 0, 0.0), (0, 0, None), (1, 1, 1.0)]
+    assert cells[2]["lo"] == 0.4 and cells[2]["hi"] == 0.6
