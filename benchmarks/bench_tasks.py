@@ -126,9 +126,8 @@ def effective_settings(server_config: Optional[dict[str, Any]], policy: Optional
         return {}
     from vtoken.config import RequestOverrides, parse_config
 
-    eff = RequestOverrides(vtoken_policy=policy).apply(parse_config(server_config["vtoken"]))
-    return dict(granularity=eff.resolved_granularity(), prefill_eviction=eff.prefill_eviction or "chunks",
-                slack=eff.resolved_slack())
+    plan = RequestOverrides(vtoken_policy=policy).apply(parse_config(server_config["vtoken"])).plan()
+    return dict(granularity=plan.granularity, prefill_eviction=plan.prefill_eviction, slack=plan.slack)
 
 
 def request_xargs(prompt_ids: Any, policy: Optional[str] = None, budget_ratio: Optional[float] = None,
