@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     stock = results[0]["max_feasible_n"]
     for r in results:
         r["vs_stock"] = r["max_feasible_n"] / stock if stock else None
-        if r["mode"] in ("vtoken", "vtoken_chunks"):  # (SnapKV has no Naive-Evict arm: decide_on worker only)
+        if r["mode"] in ("vtoken", "vtoken_chunks"):  # (SnapKV has no Naive-Evict arm)
             nv = next((x for x in results if x["arm"] == f"naive/{r['policy']}/{r['budget']}"), None)
             r["vs_naive"] = r["max_feasible_n"] / nv["max_feasible_n"] if nv and nv["max_feasible_n"] else None
     res = dict(meta=run_metadata(benchmark="concurrency", size=args.size, seeds=dict(data_shuffle=SEED, engine=0,

@@ -19,9 +19,9 @@ run of the same repetition, with min/max as the spread (ratios, never absolute t
 comparable on this shared machine).
 
 With ``--policies P [P ...]`` the arms are ``stock`` and one evicting arm per policy instead
-(``evict-<P>``; ``<P>@worker`` runs it with ``decide_on: worker``, which the key-only policies
-need; ``:slK`` sets the slack, 0 otherwise, and ``:seK`` ``score_every``): every policy's evicting
-step against stock in one run (issue 26, "step cost").
+(``evict-<P>``; ``@worker`` only tags the arm ``-worker``, as in the committed results: every
+arm decides on the worker; ``:slK`` sets the slack, 0 otherwise, and ``:seK`` ``score_every``):
+every policy's evicting step against stock in one run (issue 26, "step cost").
 
 Writes ``benchmarks/results/<name>.json`` and ``<name>.png``.
 
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--evict-budget", type=int, default=64)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 2)))
     ap.add_argument("--policies", nargs="+", default=None, metavar="NAME[:seK][:slK][@worker]",
-                    help="arms: stock and one evicting arm per policy spec (score_every K, slack K, decide_on "
-                         "worker; slack 0 unless :slK)")
+                    help="arms: stock and one evicting arm per policy spec (score_every K, slack K, @worker: "
+                         "the arm tag only; slack 0 unless :slK)")
     ap.add_argument("--name", default=None)
     a = ap.parse_args(argv)
     models = a.models or (["smollm2"] if a.small else ["smollm2", "tiny"])

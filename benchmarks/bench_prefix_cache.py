@@ -9,7 +9,7 @@ Method:
   ``vtoken_tova``: a policy that needs no prompt statistics, so a first eviction copies the cached
   blocks it writes; ``vtoken_skip`` (H2O, ``prefix_hits: skip``: a request whose hit H2O would
   keep computes its prompt instead, so its tokens never depend on the cache);
-  ``vtoken_keydiff`` (KeyDiff, ``decide_on: worker``: a request copies its hit into private
+  ``vtoken_keydiff`` (KeyDiff: a request copies its hit into private
   blocks when it starts); ``vtoken_protect_prompt`` (H2O, ``protect_cached_prefix: true``), all
   at ``--budget``.
 * Workload: ``--conversations`` ShareGPT conversations with at least ``--turns`` user turns,
@@ -107,7 +107,7 @@ def _block_bytes(block_size: int = 32, dtype_bytes: int = 2) -> int:
 def copy_cost(num_blocks: int, copies: int = 4, reps: int = 30) -> dict:
     """Time of the K/V part of ``WorkerStep.copy_blocks`` on this CPU for the served model:
     ``copies`` blocks copied in every layer through the probed CPU layout (``move_tokens``, as the
-    worker does), median of ``reps`` (ms). The side caches of ``decide_on: worker`` add a few
+    worker does), median of ``reps`` (ms). The worker's side caches add a few
     bytes per slot and are left out."""
     import statistics
 

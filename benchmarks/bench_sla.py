@@ -36,7 +36,7 @@ Usage::
     python benchmarks/bench_sla.py --policies h2o random scissorhands --rates 0.25 0.5 1 2 3
     python benchmarks/bench_sla.py --policies h2o@worker tova@worker snapkv@worker keydiff@worker \
         knorm@worker --budget 128 --num-prompts 40 --rates 0.25 0.375 0.5 0.75 1 1.25 1.5 \
-        --search bisect --name sla_at_quality        # issue 26: decide_on worker arms, SLA at a quality
+        --search bisect --name sla_at_quality        # issue 26: the -worker arms, SLA at a quality
 """
 
 from __future__ import annotations
@@ -347,8 +347,8 @@ def bisect_rates(rates: list[float], passes: Callable[[float], bool]) -> list[fl
 def build_arms(policies: list[str], budget: int, pacings: list[str], seqs: list[int | None]) -> list[tuple[str, dict | None, int | None]]:
     """(name, vtoken config or None, --max-num-seqs) per arm. A policy spec is ``NAME``, then any
     of ``:seK`` (``score_every = K``) and ``:slK`` (``slack = K``), then optionally ``@worker``
-    (``decide_on: worker``, which the key-only policies and SnapKV need; its Naive-Evict arm
-    decides on the worker too): ``h2o``, ``h2o:se4``, ``snapkv:sl128:se1000@worker``.
+    (the arm tag ``-worker`` only, as in the committed results; every arm decides on the worker,
+    :func:`common.policy_spec`): ``h2o``, ``h2o:se4``, ``snapkv:sl128:se1000@worker``.
     Per spec: Naive-Evict, then vToken per pacing."""
     arms: list[tuple[str, dict | None]] = [("stock", None)]
     for spec in policies:
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="h2o only, 3 rates, 12 prompts (~10 min on 2 cores)")
     ap.add_argument("--policies", nargs="+", default=None,
-                    help="policy specs: NAME[:seK][:slK][@worker] (score_every K, slack K, decide_on worker), "
+                    help="policy specs: NAME[:seK][:slK][@worker] (score_every K, slack K, @worker: arm tag), "
                          "e.g. random h2o h2o:se4 snapkv:sl128:se1000@worker")
     ap.add_argument("--pacings", nargs="+", default=None, choices=["fixed", "pressure"],
                     help="vToken arms per policy (default: fixed pressure; --small: fixed)")

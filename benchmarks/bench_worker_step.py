@@ -201,7 +201,7 @@ def _site(frame, prefixes: tuple[str, ...]) -> str:
 
 
 def _chain(frame) -> str:
-    """Every frame of eviction.py/decider.py on the stack, innermost first (``site < caller <
+    """Every frame of eviction.py/side_cache.py on the stack, innermost first (``site < caller <
     ...``), or :data:`OUTSIDE`."""
     out = []
     while frame is not None:
@@ -877,7 +877,7 @@ def print_report(doc: dict[str, Any], top: int = 25) -> None:
         g = doc["growth"][c]
         print(f"  {c:<20} {'flat' if g['flat'] else 'grows':<6} slope {g['slope_per_request']:+.4g}/request "
               f"({', '.join(f'{k}: {v:g}' for k, v in g['per_R'].items())})")
-    for key, title in (("ops_focus", "ops per request by call site in eviction.py/decider.py"),
+    for key, title in (("ops_focus", "ops per request by call site in eviction.py/side_cache.py"),
                        ("host_syncs_focus", "host syncs per request by call site"),
                        ("uploads_focus", "uploads per request by call site"),
                        ("upload_bytes_focus", "upload bytes per request by call site"),

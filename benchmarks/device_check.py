@@ -5,7 +5,7 @@ time is recorded as such and the next one still runs), writing the JSON after ev
 
 1. the GPU tests: ``tests/core/test_kernels.py``, ``tests/core/test_score_kernel.py`` and
    ``tests/gpu/test_gpu_runner_cpu.py`` with ``-k cuda`` (the compiled Triton move and scoring
-   kernels, the CUDA worker core's staged one-launch moves and its scorer, against PyTorch on
+   kernels, the CUDA worker step's staged one-launch moves and its scorer, against PyTorch on
    real CUDA tensors, caches laid out by vLLM's own ``create_kv_cache_views``);
 2. a move-bandwidth benchmark: ``move_tokens_paged_triton`` over every layer of a
    Llama-3-8B-shaped and a SmolLM2-shaped cache (``LBNHC`` and ``LBHNC``) against a plain
@@ -215,7 +215,7 @@ def bench_scorer() -> list[dict[str, Any]]:
                              warmup=1, iters=3)
         sum_n = sum(n for n, _ in rows)
         k_bytes = sum_n * hkv * hd * 2
-        # Estimated bytes of the scorer (gpu-path.md 5.3): decode rows read K once and write +
+        # Estimated bytes of the scorer (triton_score.py's docstring, "Cost"): decode rows read K once and write +
         # read fp32 logits; chunks read K in both phases (phase A once per q tile, ~L2).
         est = sum(n * (hkv * hd * 2 + 8 * hq + 8) if ql == 1 else 2 * n * hkv * hd * 2
                   for n, ql in rows)

@@ -342,7 +342,7 @@ def quality_prefill_table(name: str = "quality_prefill.json") -> str:
 
 
 #: quality of each SLA-at-quality policy: the 40-conversation runs of ``bench_quality.py``, fixed
-#: pacing at the policy's default token sets under ``decide_on: worker`` (the SLA arms' settings):
+#: pacing at the policy's default token sets, decided on the worker (the SLA arms' settings):
 #: ``--prefill`` (its ``chunks`` arm, the worker's default ``prefill_eviction``) for the
 #: attention-scored policies, ``--keyonly`` for the key-only ones
 SLA_QUALITY_FILES = (("quality_prefill.json", {"prefill_eviction": "chunks"}),

@@ -1,6 +1,6 @@
 """vtoken.side_cache: random traces replayed through the batched device path (side cache, batched
-policies, select_victims, plan_moves) and through the per-request path the scheduler runs today
-(TokenTable + EvictionPolicy + SlotState + plan_repack): the same victims, moves and tables."""
+policies, select_victims, plan_moves) and through the per-request reference of ``tests/reference/``
+(TokenTable + each policy's numpy form + SlotState + plan_repack): the same victims, moves and tables."""
 
 from __future__ import annotations
 

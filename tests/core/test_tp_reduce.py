@@ -1,4 +1,4 @@
-"""The worker core's tensor-parallel score reduction, on two real gloo processes (no engine).
+"""The worker step's tensor-parallel score reduction, on two real gloo processes (no engine).
 
 Each rank holds per-request statistics averaged over its own query heads; after
 ``WorkerStep.fold_scores`` every rank must hold the mean over all heads:

@@ -1,7 +1,7 @@
 """vToken under tensor parallelism (issue 11): TP=2 decides exactly as one rank does.
 
 Each TP rank attends with only its own ``Hq / TP`` query heads, so each rank's
-:class:`~vtoken.integrations.vllm.worker.scoring.StepScores` sees only those heads; the worker core
+:class:`~vtoken.integrations.vllm.worker.scoring.StepScores` sees only those heads; the worker step
 sums the statistics over vLLM's TP group (one all-reduce per scored step) so that every
 rank holds the mean over all query heads and layers. Without it the output rank's heads
 alone decided, and TP=2 tokens differed from TP=1 for every scoring policy.

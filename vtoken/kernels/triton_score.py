@@ -1,7 +1,7 @@
 """Two-phase Triton scorer over a paged K cache (semantics: ``vtoken.kernels.score``).
 
-Design (the exact scorer of ``gpu-path.md`` section 5.2)
----------------------------------------------------------
+Design (``docs/gpu-kernels.md``, "The scoring kernel")
+------------------------------------------------------
 Per layer, two launches on the caller's stream, both reading K straight from the paged cache
 through the block table (any block/head/token strides, int64 offsets):
 
@@ -24,7 +24,7 @@ through the block table (any block/head/token strides, int64 offsets):
 
 No ``[heads, q, n]`` matrix exists for a multi-row item; the buffers are ``out`` (one float
 per scored key), ``lse`` (one float per scored query row and head) and, for single-row items
-only, the ``[Hq, n]`` logits (what gpu-path.md section 5.2 calls the logits scratch).
+only, the ``[Hq, n]`` logits (the logits scratch).
 
 Arithmetic: K and q are loaded in their dtype and converted to fp32; ``tl.dot`` runs with
 ``input_precision="ieee"`` (no TF32), so the result equals the fp32 PyTorch reference up to
@@ -38,7 +38,7 @@ capturable in a CUDA graph (not yet tried on a GPU).
 Cost (memory-bound decode row, per layer; an estimate, never measured on a GPU): phase A
 reads K once and writes ``4*Hq`` bytes of logits per key, phase B reads them back and
 read-modify-writes ``out``: ``n * (Hkv*hd*b + 8*Hq + 8)`` bytes, about 0.56x the attention
-kernel's K+V bytes for Llama-3-8B heads (gpu-path.md section 5.3). Prefill chunks compute
+kernel's K+V bytes for Llama-3-8B heads (``docs/gpu-kernels.md``, "Cost estimate"). Prefill chunks compute
 ``q k^T`` twice (about 1x the attention FLOPs).
 
 ``triton.jit`` is applied lazily (first launch) so that ``TRITON_INTERPRET`` is read then,

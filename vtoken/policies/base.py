@@ -42,14 +42,13 @@ class AttentionNeed(enum.Flag):
     NONE = 0
     COL_SUM = enum.auto()
     LAST_ROW = enum.auto()
-    #: the L2 norm of each key written in the step (key-only policies: no attention pass;
-    #: ``decide_on: worker`` only)
+    #: the L2 norm of each key written in the step (key-only policies: no attention pass)
     KEY_NORM = enum.auto()
     #: ``COL_SUM`` over the step's last ``policy.window`` query rows only (SnapKV's observation
-    #: window; ``decide_on: worker`` only: the worker reads the window from the request's policy)
+    #: window; the worker reads the window from the request's policy)
     WINDOW = enum.auto()
     #: the running moments of each request's pre-RoPE queries, per (layer, query head), added in
-    #: every step's forward (Expected Attention; ``decide_on: worker`` only)
+    #: every step's forward (Expected Attention)
     QUERY_MOMENTS = enum.auto()
 
 
@@ -135,8 +134,8 @@ class EvictionPolicy(ABC):
 
     @classmethod
     def default_granularity(cls) -> str:
-        """Token-set granularity when the config leaves ``granularity`` unset under
-        ``decide_on: worker`` (:meth:`vtoken.config.VTokenConfig.resolved_granularity`):
+        """Token-set granularity when the config leaves ``granularity`` unset
+        (:meth:`vtoken.config.VTokenConfig.resolved_granularity`):
         ``"request"``, ``"layer"``, ``"head"`` or ``"head_shared"``. Default: ``"request"``."""
         return "request"
 

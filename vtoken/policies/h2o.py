@@ -37,12 +37,11 @@ class H2OPolicy(EvictionPolicy):
     Departures from the paper:
 
     * Token sets (``granularity``, ``docs/granularity.md``): by default, under
-      ``decide_on: worker``, one heavy-hitter set per (layer, KV head), as the paper's
+      one heavy-hitter set per (layer, KV head), as the paper's
       per-head sets, with the statistic of a KV head the mean over its query heads
       (grouped-query attention; the paper's models have one query head per KV head).
       ``layer`` averages over a layer's query heads, ``head_shared`` over every layer
-      and the KV head's query heads, ``request`` (the only one under ``decide_on:
-      scheduler``) over every layer and query head.
+      and the KV head's query heads, ``request`` over every layer and query head.
     * The budget is an absolute number of tokens (with the recent share as above),
       not ``heavy_ratio``/``recent_ratio`` times the prompt length fixed at prefill.
     * Ties in ``acc`` go to the smaller logical position (evicted first).

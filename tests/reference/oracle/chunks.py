@@ -37,7 +37,7 @@ def prefill(r: Replay, prompt: list[int], chunks: list[int], cfg: Optional[VToke
             r.prefill_evicted.append(ev[0])
         chunk_pos = np.arange(start, start + q, dtype=np.int64)
         r.append(chunk_pos)
-        # every chunk's statistics in full, its last row included: decide_on worker scores each
+        # every chunk's statistics in full, its last row included: the worker scores each
         # chunk's last query row whether or not the chunk samples
         logits = r.forward(prompt[start:start + q], chunk_pos, scored=True)
         start += q

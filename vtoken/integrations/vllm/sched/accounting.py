@@ -167,7 +167,8 @@ class VTokenFullAttentionManager(FullAttentionManager):
 
     def vt_free_tail(self, request_id: str, keep: int) -> list:
         """Hand the request's blocks past its first ``keep`` back to vLLM's block pool (an
-        eviction emptied them); the only place vToken edits ``req_to_blocks``.
+        eviction emptied them); besides it, vToken edits ``req_to_blocks`` only when it copies shared
+        hit blocks into private ones (``VTokenSchedulerMixin._vt_copy_cached``).
 
         Returns:
             the freed ``KVCacheBlock`` s (tail first), empty when it holds ``<= keep`` blocks.

@@ -1,6 +1,6 @@
-"""``decide_on: worker``: the scheduler's per-request integers in one numpy array, a row per request.
+"""The scheduler's per-request integers in one numpy array, a row per request.
 
-Under ``decide_on: worker`` the scheduler works from a few integers per request and step
+The scheduler works from a few integers per request and step
 (``docs/device-decisions.md``). Kept as attributes of one Python object per request, every step
 walks a dozen objects per request (state, token table, log list, boxed ints) that the stock
 ``schedule()`` between two visits pushes out of the CPU caches. :class:`CountColumns` keeps them
@@ -257,7 +257,7 @@ class ColumnCountTable(CountTable):
 
 
 class CountNaive:
-    """Naive-Evict's figures of a :class:`CountState` (``decide_on: worker``), in its row: the worker
+    """Naive-Evict's figures of a :class:`CountState`, in its row: the worker
     keeps the evicted positions and reports how many logical blocks are entirely dead
     (``DeviceDecider.naive_freed_blocks``, through ``ModelRunnerOutput.vtoken_naive_freed``), so
     the retained blocks are ``cdiv(logical, B) - freed``, as

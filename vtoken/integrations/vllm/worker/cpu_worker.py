@@ -11,7 +11,7 @@ plugin) follows vLLM's choice (``VllmConfig.use_v2_model_runner``):
   imports at call time) the same way.
 
 Both adapters share :class:`~vtoken.integrations.vllm.worker.step.WorkerStep`
-(moves, offsets, scores); see their modules for the runner seams. Under ``decide_on: worker``
+(moves, offsets, scores); see their modules for the runner seams.
 ``determine_available_memory`` counts the side cache against the KV cache's memory.
 """
 
@@ -46,7 +46,7 @@ class VTokenCPUWorker(CPUWorker):
             mod.CPUModelRunner = orig
 
     def determine_available_memory(self) -> int:
-        """vLLM's KV-cache bytes, less the side cache of ``decide_on: worker``'s policy, which
+        """vLLM's KV-cache bytes, less the side cache of the engine's policy, which
         shadows every KV slot (:func:`~vtoken.integrations.vllm.worker.eviction.reserve_side_cache`:
         both are sized together and the split is logged)."""
         available = super().determine_available_memory()

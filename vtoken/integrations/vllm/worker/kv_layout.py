@@ -1,4 +1,4 @@
-"""Token addressing inside vLLM's CPU KV-cache layout: probe, move, gather.
+"""The KV layout: token addressing inside vLLM's KV caches (CPU: probed; GPU: paged): probe, move, gather.
 
 vLLM's CPU attention backend stores each layer as ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]``; each (block, head) holds a K region of

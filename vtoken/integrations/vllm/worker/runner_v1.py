@@ -38,7 +38,7 @@ def cpu_layout_for(layer, kv_cache: torch.Tensor) -> KVLayout:
 class VTokenV1Adapter:
     """vToken's seams on a V1 runner (module docstring); mixed in before the runner class.
 
-    Hooks a device-specific runner overrides: :meth:`_vt_new_core` (the worker core and its
+    Hooks a device-specific runner overrides: :meth:`_vt_new_core` (the worker step and its
     KV layout) and :meth:`_vt_physical_inputs` (how ``seq_lens`` and the slot mapping become
     physical). ``gpu_runner.VTokenGPUModelRunner`` is the CUDA one.
     """
