@@ -19,6 +19,8 @@ __all__ = [
     "EvictionPolicy",
     "available_policies",
     "get_policy_class",
+    "policies_markdown",
+    "policy_classes_markdown",
 ]
 
 @lru_cache(maxsize=1)
@@ -56,3 +58,35 @@ def get_policy_class(name: str) -> type[EvictionPolicy]:
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
         raise TypeError(f"vtoken.policies entry {name!r} -> {table[name]} is not an EvictionPolicy subclass")
     return cls
+
+
+def _needs_text(cls: type[EvictionPolicy]) -> str:
+    n = cls.needs
+    if n & AttentionNeed.QUERY_MOMENTS:
+        return "no (query moments + keys)"
+    if cls.eviction_keys or n & AttentionNeed.KEY_NORM:
+        return "no (keys only)"
+    if n & AttentionNeed.WINDOW:
+        return "window column sums"
+    if n & AttentionNeed.COL_SUM:
+        return "column sums, every step"
+    return "last query row" if n & AttentionNeed.LAST_ROW else "no"
+
+
+def policies_markdown() -> str:
+    """The README's policy table, from each registered policy's declarations (``paper``, ``summary``,
+    ``needs``, ``default_granularity``): a policy added as a file appears with no doc to edit."""
+    rows = ["| name | paper | score | needs attention | default token sets |", "|---|---|---|---|---|"]
+    for name in sorted(available_policies()):
+        cls = get_policy_class(name)
+        rows.append(f"| `{name}` | {cls.paper} | {cls.summary} | {_needs_text(cls)} | `{cls.default_granularity()}` |")
+    return "\n".join(rows) + "\n"
+
+
+def policy_classes_markdown() -> str:
+    """docs/configuration.md's table: each registered policy's name and class."""
+    rows = ["| name | class |", "|---|---|"]
+    for name in sorted(available_policies()):
+        cls = get_policy_class(name)
+        rows.append(f"| `{name}` | `{cls.__module__}.{cls.__qualname__}` |")
+    return "\n".join(rows) + "\n"

@@ -75,6 +75,10 @@ class EvictionPolicy(ABC):
     """
 
     name: ClassVar[str] = "base"
+    #: the source, as the README's policy table prints it (e.g. ``"H2O, arXiv 2306.14048"``)
+    paper: ClassVar[str] = ""
+    #: what the score keeps, in a few words (the README's policy table)
+    summary: ClassVar[str] = ""
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
     #: True: the policy scores from the cached keys right before each eviction
     #: (``key_sim``, computed on the worker; KeyDiff,

@@ -228,6 +228,8 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "expected_attention"
+    paper: ClassVar[str] = 'Expected Attention, arXiv 2510.00636'
+    summary: ClassVar[str] = 'expected attention of future queries (Gaussian) times `|v|`, at eviction'
     needs: ClassVar[AttentionNeed] = AttentionNeed.QUERY_MOMENTS
     #: scores from the cached keys right before each eviction (on the worker)
     eviction_keys: ClassVar[bool] = True

@@ -48,6 +48,8 @@ class H2OPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "h2o"
+    paper: ClassVar[str] = 'H2O, arXiv 2306.14048'
+    summary: ClassVar[str] = 'accumulated attention (heavy hitters) + recent window'
     needs: ClassVar[AttentionNeed] = AttentionNeed.COL_SUM
     prompt_statistics: ClassVar[bool] = True
 

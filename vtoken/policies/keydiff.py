@@ -78,6 +78,8 @@ class KeyDiffPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "keydiff"
+    paper: ClassVar[str] = 'KeyDiff, arXiv 2504.15364'
+    summary: ClassVar[str] = "least cosine similarity to the head's mean key, at eviction"
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
     #: scores from the cached keys right before each eviction (on the worker)
     eviction_keys: ClassVar[bool] = True

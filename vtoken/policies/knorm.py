@@ -63,6 +63,8 @@ class KNormPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "knorm"
+    paper: ClassVar[str] = 'K-norm, arXiv 2406.11430'
+    summary: ClassVar[str] = 'smallest key L2 norm, recorded when the key is written'
     needs: ClassVar[AttentionNeed] = AttentionNeed.KEY_NORM
     prompt_statistics: ClassVar[bool] = True
     observes_written_only: ClassVar[bool] = True

@@ -35,6 +35,8 @@ class ObservedAttentionPolicy(H2OPolicy):
     """
 
     name: ClassVar[str] = "observed_attention"
+    paper: ClassVar[str] = 'H2O, arXiv 2306.14048'
+    summary: ClassVar[str] = 'accumulated attention, no recent window'
 
     @classmethod
     def default_recent_tokens(cls, budget: int) -> int:

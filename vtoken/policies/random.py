@@ -80,6 +80,8 @@ class RandomPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "random"
+    paper: ClassVar[str] = 'baseline'
+    summary: ClassVar[str] = 'seeded hash of the logical position'
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
 
     def score_batched(self, fields, logical_pos, live):

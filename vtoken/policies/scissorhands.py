@@ -74,6 +74,8 @@ class ScissorhandsPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "scissorhands"
+    paper: ClassVar[str] = 'Scissorhands, arXiv 2305.17118'
+    summary: ClassVar[str] = 'steps below uniform attention in a history window'
     needs: ClassVar[AttentionNeed] = AttentionNeed.LAST_ROW
     #: the prompt adds one history row, its last query's, which a request computes even after a
     #: prefix-cache hit, so a hit needs no protection (tests/integration/test_prefix_caching.py)

@@ -87,6 +87,8 @@ class SnapKVPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "snapkv"
+    paper: ClassVar[str] = 'SnapKV, arXiv 2404.14469'
+    summary: ClassVar[str] = "attention of the prompt's last queries (window), pooled"
     needs: ClassVar[AttentionNeed] = AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW | AttentionNeed.WINDOW
     prompt_statistics: ClassVar[bool] = True
     #: the batched observe pools in logical order, so it needs each slot's logical position

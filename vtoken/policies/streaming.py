@@ -43,6 +43,8 @@ class StreamingLLMPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "streaming"
+    paper: ClassVar[str] = 'StreamingLLM, arXiv 2309.17453'
+    summary: ClassVar[str] = 'sinks + recent window'
     needs: ClassVar[AttentionNeed] = AttentionNeed.NONE
 
     @classmethod

@@ -41,6 +41,8 @@ class TOVAPolicy(EvictionPolicy):
     """
 
     name: ClassVar[str] = "tova"
+    paper: ClassVar[str] = 'TOVA, arXiv 2401.06104'
+    summary: ClassVar[str] = "last query's attention"
     needs: ClassVar[AttentionNeed] = AttentionNeed.LAST_ROW
 
     @classmethod
