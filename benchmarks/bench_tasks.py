@@ -541,7 +541,8 @@ def plot_heatmap(doc: dict[str, Any], path: Path) -> None:
             for j, v in enumerate(row):
                 ax.text(j, b, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" for n in lengths])
-        ax.set_yticks(range(len(grid)), [f"{100 * b // len(grid)}-{100 * (b + 1) // len(grid)} %" for b in range(len(grid))])
+        ax.set_yticks(range(len(grid)), [f"{100 * b // len(grid)}-{100 * (b + 1) // len(grid)} %" for b in range(len(grid))]
+                      if ax is axes[0][0] else [])
         ax.set_title(arm, fontsize=9)
         ax.set_xlabel("context length")
     axes[0][0].set_ylabel("needle depth")
@@ -589,6 +590,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rederive(doc, int(args[args.index("--block-size") + 1]))
         out.write_text(json.dumps(doc, indent=1))
         plot(doc, out.with_suffix(".png"))
+        if any("by_depth" in c for c in doc["cells"]):
+            plot_heatmap(doc, RESULTS / f"{a.rederive}_heatmap.png")
         print(f"rederived {out} and {out.with_suffix('.png')}")
         return 0
     preset = SMALL if a.small else HEATMAP if a.heatmap else dict(tasks=TASKS, lengths=LENGTHS, policies=POLICIES, ratios=RATIOS,

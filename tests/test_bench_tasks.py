@@ -380,3 +380,21 @@ def test_needle_depth_is_where_the_answer_sits_in_the_prompt():
     assert [(c["n"], c["correct"], c["accuracy"]) for c in cells] == [
         (1, 1, 1.0), (0, 0, None), (1, 0, 0.0), (0, 0, None), (1, 1, 1.0)]
     assert cells[2]["lo"] == 0.4 and cells[2]["hi"] == 0.6
+
+
+def test_needle_heatmap_figures_equal_the_result():
+    """benchmarks/README.md's heatmap sentence: correct answers per arm at 1k / 2k / 4k, from
+    results/tasks_needle.json, and H2O's only in the last depth bin."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "tasks_needle.json").read_text())
+    got = {}
+    for c in doc["cells"]:
+        got.setdefault(c["arm"], {})[c["length"]] = c
+        assert sum(b["n"] for b in c["by_depth"]) == c["n"] == 40
+    text = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+
+    def row(arm):
+        return " / ".join(str(got[arm][n]["correct"]) for n in (1024, 2048, 4096))
+
+    assert f"stock {row('stock')}, TOVA {row('tova-25pct')}, H2O (the default) {row('h2o-25pct')} of 40" in text
+    assert all(sum(b["correct"] for b in c["by_depth"][:-1]) == 0 for c in got["h2o-25pct"].values())
+    assert "only with the needle in the last fifth" in text
