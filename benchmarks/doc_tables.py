@@ -548,7 +548,7 @@ def _family_cell(r: dict) -> str:
 
 
 def model_families_table(name: str = "model_families.json") -> str:
-    """docs/models.md: one row per model family of the matrix (``python -m drivers.model_families``):
+    """docs/models.md: one row per model family of the matrix (``PYTHONPATH=tests python -m drivers.model_families``):
     shape, what the family adds, and per execution path whether all requests' tokens equal the
     dense oracle's (or the start-up refusal)."""
     d = _load(name)

@@ -186,7 +186,7 @@ def test_metrics_table_is_generated_from_metrics_py():
 
 def test_model_family_tables_are_generated_from_the_matrix():
     """docs/models.md's table and README's families table come from benchmarks/results/model_families.json
-    (``python -m drivers.model_families``; tests/integration/test_model_families.py checks its rows)."""
+    (``PYTHONPATH=tests python -m drivers.model_families``; tests/integration/test_model_families.py checks its rows)."""
     doc_tables = _doc_tables()
     assert _generated((ROOT / "docs" / "models.md").read_text(), "benchmarks/doc_tables.py model_families_table") == \
         doc_tables.model_families_table()

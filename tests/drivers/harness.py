@@ -1,7 +1,7 @@
 """Offline harness: run requests through a real vLLM engine and report tokens and blocks.
 
 The one engine runner of the integration tests, the reliability tests, the benchmarks and the
-soak. It runs in its own process (``python -m drivers.harness SPEC.json
+soak. It runs in its own process (``PYTHONPATH=tests python -m drivers.harness SPEC.json
 OUT.json``) because a vLLM engine wants a fresh process, and because the plugin allow-list
 (``VLLM_PLUGINS``) is read per process; the EngineCore runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the harness can read the block pool.

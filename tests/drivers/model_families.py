@@ -4,7 +4,7 @@ with ``vtoken_policy`` / ``vtoken_granularity``), every request's greedy tokens 
 oracle (:func:`reference.oracle.oracle_generate` on the transformers model of the same weights).
 
 Used by ``tests/integration/test_model_families.py`` and by
-``python -m drivers.model_families [--paths v1-sync,mrv2-async] [FAMILY ...]``, which runs the
+``PYTHONPATH=tests python -m drivers.model_families [--paths v1-sync,mrv2-async] [FAMILY ...]``, which runs the
 matrix and writes :data:`RESULTS` (the docs' "Models" tables are rendered from it by
 ``benchmarks/doc_tables.py``; ``tests/test_docs.py`` checks they agree, and the engine tests
 check every committed row against what they observe).
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("families", nargs="*", default=list(FAMILIES))
     a = ap.parse_args(argv)
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data.update({"command": "python -m drivers.model_families", "budget": BASE_VTOKEN["budget"],
+    data.update({"command": "PYTHONPATH=tests python -m drivers.model_families", "budget": BASE_VTOKEN["budget"],
                  "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "block_size": BLOCK,
                  "arms": [f"{p}-{g}" for p, g in ARMS + EA_ARMS]})
     fams = data.setdefault("families", {})

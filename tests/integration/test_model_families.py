@@ -76,7 +76,7 @@ def test_family_exact_or_refused(family, path):
     want = _committed["families"][family]["paths"][path]
     drop = ("engine_s",)
     assert {k: v for k, v in got.items() if k not in drop} == {k: v for k, v in want.items() if k not in drop}, (
-        f"{family} on {path}: the committed row differs; rerun `python -m drivers.model_families {family}`")
+        f"{family} on {path}: the committed row differs; rerun `PYTHONPATH=tests python -m drivers.model_families {family}`")
 
 
 @pytest.mark.parametrize("family", list(mf.EA_REFUSED))
