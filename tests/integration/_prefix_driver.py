@@ -39,7 +39,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's tests/drivers/ (run as a script)
+# this checkout's vtoken/ and tests/ (drivers/, reference/), run as a script
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 
 def _block_digest(caches, block_id: int) -> str:
