@@ -130,7 +130,7 @@ def test_pool_back_to_start_and_nothing_tracked(batch_run, group):
     g = batch_run[group]
     assert g["free_blocks_start"] == g["num_blocks"] - 1 == 39
     assert g["free_blocks_end"] == g["free_blocks_start"]
-    assert g["vt_states_left"] == g["vt_req_cfg_left"] == g["requests_left"] == 0
+    assert g["vt_states_left"] == g["vt_plans_left"] == g["requests_left"] == 0
     # no injected abort is a fault; a fault here (e.g. a hook out of step with the scheduler)
     # would quietly turn eviction off and make the solo comparison vacuous
     assert g["stats_delta"]["request_faults"] == 0
@@ -236,7 +236,7 @@ def test_mrv2_async_aborts_storm_and_isolation(async_runs):
     batch, solo = async_runs
     for name, g in batch.items():
         assert g["free_blocks_end"] == g["free_blocks_start"] == g["num_blocks"] - 1, name
-        assert g["vt_states_left"] == 0 and g["vt_req_cfg_left"] == 0, name
+        assert g["vt_states_left"] == 0 and g["vt_plans_left"] == 0, name
         assert g["stats_delta"]["request_faults"] == 0, name
     f = batch["faults"]
     for rid in ABORTED:
