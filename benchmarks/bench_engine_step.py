@@ -163,6 +163,69 @@ class ProfileHooks(StepHooks):
     profile = True
 
 
+class OpCountHooks(StepHooks):
+    """Counts the torch ops dispatched in each decode-only step (``--count-ops``), by origin: the
+    innermost ``vtoken/`` or ``vllm/`` frame of the caller's stack decides (``vtoken/FILE:FUNC``,
+    else ``vllm``, else ``other``), so stock's work that vToken's adapters call stays stock's.
+    A ``TorchDispatchMode`` sees every op below autograd (CPU kernels and views alike)."""
+
+    def attach(self, engine, sched) -> None:
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        super().attach(engine, sched)
+        hooks = self
+
+        class _Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if hooks.counting:
+                    f = sys._getframe(1)
+                    site = "other"
+                    while f is not None:
+                        fn = f.f_code.co_filename
+                        if "/vtoken/" in fn:
+                            site = "vtoken/" + fn.rsplit("/vtoken/", 1)[1] + ":" + f.f_code.co_name
+                            break
+                        if "/vllm/" in fn:
+                            site = "vllm"
+                            break
+                        f = f.f_back
+                    hooks.step_ops[site] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.counting = False
+        self.step_ops: Counter = Counter()
+        self.decode_ops: list[tuple[float, Counter]] = []  # (batch, ops) of each decode-only step
+        self._mode = _Count()
+        self._mode.__enter__()
+
+    def before_step(self, run) -> None:
+        super().before_step(run)
+        self.step_ops.clear()
+        self.counting = True
+
+    def after_step(self, run) -> None:
+        self.counting = False
+        super().after_step(run)
+        c = self.steps[-1]
+        if c.get("decode_only"):
+            self.decode_ops.append((c.get("batch", 0), self.step_ops.copy()))
+
+    def finish(self, out: dict[str, Any]) -> None:
+        from collections import Counter
+
+        super().finish(out)
+        # the steps :func:`split` times: decode-only, at least half the largest batch
+        top = max((b for b, _ in self.decode_ops), default=0)
+        rows = [c for b, c in self.decode_ops if b >= top / 2]
+        total: Counter = Counter()
+        for c in rows:
+            total.update(c)
+        n = max(len(rows), 1)
+        out["op_counts"] = dict(steps=len(rows), per_step={k: round(v / n, 2) for k, v in total.most_common()})
+
+
 def profile_summary(prof: cProfile.Profile, top: int = 40) -> dict[str, Any]:
     """Own-time ranking (every function) and cumulative times of vToken's functions."""
     st = pstats.Stats(prof)
@@ -254,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vtoken", default='{"policy": "h2o", "budget": 64}', help="the vToken arm's config (JSON)")
     ap.add_argument("--profile", action="store_true", help="one more cProfile'd run of each arm per repetition")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="one more run of each arm per repetition counting the torch ops of each decode step by origin")
     ap.add_argument("--arrive-every", type=int, default=0, metavar="K",
                     help="a stream instead of one batch: request i arrives at step i*K (--requests of them), and "
                          "every step from the output length's step to the last arrival counts (prefills included)")
@@ -296,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                                            threads=a.threads, arms=arms, baseline=a.baseline,
                                            metric="per decode-only step (batch >= half of --batch), median over "
                                                   "the run's steps; parts nested as in the module docstring"),
-                               runs=[], profiles=[])
+                               runs=[], profiles=[], op_counts=[])
     t_start = time.time()
     for rep in range(a.reps):
         order = list(arms) if rep % 2 == 0 else list(reversed(arms))
@@ -328,6 +393,22 @@ def main(argv: list[str] | None = None) -> int:
             print("  vtoken cumulative:")
             for r in prof["vtoken_by_cumulative"][:25]:
                 print(f"  {r['cumtime_s']:8.3f} s {r['calls']:>8} {r['func']}")
+        for arm in (order if a.count_ops else ()):
+            spec = make_spec(mdir, dtype, vocab, arms[arm], batch=a.batch, prompt_len=a.prompt_len,
+                             output_len=a.output_len, block_size=a.block_size, hooks="OpCountHooks",
+                             arrive_every=a.arrive_every, num_requests=a.requests, executor=a.executor,
+                             prefix_caching=a.prefix_caching)
+            oc = run_arm(spec, arm)["op_counts"]
+            ops = oc["per_step"]
+            vt = {k: v for k, v in ops.items() if k.startswith("vtoken/")}
+            row = dict(rep=rep, arm=arm, steps=oc["steps"], total=round(sum(ops.values()), 1),
+                       vtoken=round(sum(vt.values()), 1), vllm=ops.get("vllm", 0), other=ops.get("other", 0),
+                       vtoken_sites=vt)
+            doc["op_counts"].append(row)
+            print(f"ops rep {rep} {arm}: {row['total']} torch ops per decode step ({oc['steps']} steps): vllm "
+                  f"{row['vllm']}, vtoken {row['vtoken']}, other {row['other']}", flush=True)
+            for k, v in list(vt.items())[:12]:
+                print(f"  {v:7.1f} {k}")
     res = {}
     for arm in arms:
         rs = [r for r in doc["runs"] if r["arm"] == arm and r.get("decode_steps")]

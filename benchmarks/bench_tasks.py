@@ -433,12 +433,15 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
     return cell
 
 
-def probe_overrides(srv, arm: dict[str, Any], prompt_tokens: int = 800, max_tokens: int = 4) -> dict[str, Any]:
+def probe_overrides(srv, arm: dict[str, Any], prompt_tokens: int = 800, max_tokens: int = 4,
+                    server_config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """One request of the arm alone on its server (token-id prompt, greedy, ``ignore_eos``), with the
     ``/metrics`` delta around it: the server-side proof that the per-request budget took effect
     (``kept`` = prompt + generated - evicted must be the ``vtoken_budget`` sent plus at most 2: with
     slack 0 the live tokens are cut to the budget at each decode step, the step's token is added to
-    them, and the last sampled token, counted as generated, never enters the cache)."""
+    them, and the last sampled token, counted as generated, never enters the cache). A policy with
+    pacing slack (Scissorhands: half its budget) evicts only past ``budget + slack``, so up to
+    ``slack`` more are allowed: the slack of the request's plan on a server of ``server_config``."""
     ids = [100 + (7 * i) % 20000 for i in range(prompt_tokens)]
     xargs = request_xargs(ids, **arm["fields"])
     names = KV_METRICS + ("vtoken:evictions_total", "vtoken:request_faults_total")
@@ -451,10 +454,16 @@ def probe_overrides(srv, arm: dict[str, Any], prompt_tokens: int = 800, max_toke
     kept = (d["vllm:request_prompt_tokens_sum"] + d["vllm:request_generation_tokens_sum"]
             - d["vtoken:evicted_tokens_total"])
     b = xargs.get("vtoken_budget")
+    slack = 0
+    if server_config and b is not None:
+        from vtoken.config import RequestOverrides, parse_config
+
+        over = RequestOverrides(vtoken_policy=xargs.get("vtoken_policy"), vtoken_budget=b)
+        slack = over.apply(parse_config(server_config["vtoken"])).plan(prompt_tokens).slack
     return dict(arm=arm["name"], vllm_xargs=xargs, prompt_tokens=prompt_tokens,
                 generated=d["vllm:request_generation_tokens_sum"], evicted=d["vtoken:evicted_tokens_total"],
                 evictions=d["vtoken:evictions_total"], faults=d["vtoken:request_faults_total"], kept=kept,
-                ok=b is not None and b <= kept <= b + 2 and d["vtoken:request_faults_total"] == 0)
+                slack=slack, ok=b is not None and b <= kept <= b + 2 + slack and d["vtoken:request_faults_total"] == 0)
 
 
 def server_kv_check(before: dict[str, float], after: dict[str, float], cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -646,7 +655,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"server {name} healthy in {srv.startup_s:.0f} s", flush=True)
         t_ready = time.time()
         doc["servers_ready_s"] = round(t_ready - t_start, 1)
-        probes = [probe_overrides(servers[x["server"]], x) for x in arms if x["server"] != "stock"]
+        probes = [probe_overrides(servers[x["server"]], x, server_config=cfgs[x["server"]]) for x in arms
+                  if x["server"] != "stock"]
         doc["probes"] = probes
         for pr in probes:
             print(f"probe {pr['arm']}: sent {pr['vllm_xargs']}, kept {pr['kept']} (evicted {pr['evicted']}, faults "
