@@ -205,8 +205,8 @@ def granularity_cost_table(name: str = "granularity_cost.json") -> str:
             "|---|---|" + "---|" * len(grans)]
     for pol in dict.fromkeys(r["policy"] for r in d["time"]):
         for R in sorted({r["num_requests"] for r in d["time"]}):
-            cells = [f"{t[(pol, R, g)]['median_ms']:.2f} ms ({t[(pol, R, g)]['ratio_to_request']:.1f}x)" for g in grans]
-            rows.append(f"| {pol} | {R} x {t[(pol, R, 'request')]['live'] + 1} | " + " | ".join(cells) + " |")
+            cells = [f"{t[(pol, R, g)]['median_ms']:.2f} ({t[(pol, R, g)]['ratio_to_request']:.1f}x)" for g in grans]
+            rows.append(f"| {pol} | {R} x {t[(pol, R, 'request')]['live'] + 1}, ms | " + " | ".join(cells) + " |")
         rows.append(f"| {pol} | side cache, bytes per slot (% of KV) | " + " | ".join(
             f"{mem[(pol, g)]['bytes_per_token']:,} ({mem[(pol, g)]['percent_of_kv']:.2f} %)" for g in grans) + " |")
     return "\n".join(rows) + "\n"
@@ -263,7 +263,7 @@ def quality_keyonly_table(name: str = "quality_keyonly.json", attn: str = "quali
 PREFIX_ARMS = (("stock", "stock vLLM"), ("vtoken", "vToken H2O (keeps its hit)"),
                ("vtoken_tova", "vToken TOVA (copies its hit)"),
                ("vtoken_skip", "vToken H2O, `prefix_hits: skip`"),
-               ("vtoken_keydiff", "vToken KeyDiff, `decide_on: worker` (copies its hit at start)"),
+               ("vtoken_keydiff", "vToken KeyDiff (copies its hit at start)"),
                ("vtoken_protect_prompt", "vToken H2O, `protect_cached_prefix: true`"))
 
 
@@ -516,7 +516,8 @@ def sla_pick_table(name: str = "sla_at_quality.json", goal_dnll: float = 0.3, go
             pc, arm = best_arm(r)
             n, v, s0 = r["naive"].get("sla_rate"), arm.get("sla_rate"), e["arms"]["stock"].get("sla_rate")
             if v is not None and (n is None or v / n >= goal_ratio):
-                vt = {k: v_ for k, v_ in arm["vtoken"].items() if (k, v_) != ("pacing", "fixed")}  # the default
+                # fixed pacing: the default; decide_on: deprecated, no longer an option (the one path)
+                vt = {k: v_ for k, v_ in arm["vtoken"].items() if (k, v_) != ("pacing", "fixed") and k != "decide_on"}
                 hits.append((f"`{json.dumps(vt, separators=(',', ':'))}` on {c['prompt_len']:,}-token prompts",
                              f"{fmt_q(r['quality'])}; SLA rate {_sla_cell(arm, eg)} req/s, {_sla_ratio(v, n, eg)} "
                              f"Naive-Evict's and {_sla_ratio(v, s0, eg)} stock's; peak goodput "
@@ -576,14 +577,82 @@ def _short_refusal(text: str) -> str:
     return re.split(r" \(|; ", inner, maxsplit=1)[0].rstrip(")")
 
 
+#: the task-accuracy run README's "Results" leads with (``tasks_lead_table``); the full run, when
+#: committed, is ``"tasks.json"``
+TASKS_LEAD = "tasks_1k.json"
+
+
+def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0.6) -> dict:
+    """The rule behind the task-accuracy recommendation, on ``bench_tasks.py`` cells: drop every
+    (task, length) where dense (the ``stock`` arm) scores below ``floor``; a config (policy,
+    budget ratio) qualifies when on every (task, length) left its accuracy is within ``tol`` of
+    dense's; the pick is the qualifying config with the smallest KV cache kept (the mean
+    ``kv_kept_fraction`` of its cells, to the percent; the budget ratio where not measured), then
+    the highest mean accuracy. Configs equal on both are all picked, in the cells' order.
+
+    Returns ``dict(kept=[(task, length, dense accuracy)], dropped=[...], picks=[(policy, ratio)],
+    kv=the picks' KV kept or None, accuracy=the picks' mean accuracy or None)``; ``picks`` is
+    empty when no config qualifies (or every (task, length) was dropped)."""
+    dense = {(c["task"], c["length"]): c["accuracy"] for c in cells if c["arm"] == "stock"}
+    kept = [(t, n, a) for (t, n), a in dense.items() if a >= floor]
+    dropped = [(t, n, a) for (t, n), a in dense.items() if a < floor]
+    by: dict[tuple, dict] = {}
+    for c in cells:
+        if c["policy"]:
+            by.setdefault((c["policy"], c["budget_ratio"]), {})[(c["task"], c["length"])] = c
+    ranked = []
+    for cfg, here in by.items():
+        cs = [here.get((t, n)) for t, n, _ in kept]
+        if not kept or None in cs or any(c["accuracy"] < a - tol - 1e-9 for c, (_, _, a) in zip(cs, kept)):
+            continue
+        kv = sum(cfg[1] if c.get("kv_kept_fraction") is None else c["kv_kept_fraction"] for c in cs) / len(cs)
+        ranked.append((round(kv * 100), -sum(c["accuracy"] for c in cs) / len(cs), cfg, kv))
+    best = min(ranked, key=lambda r: r[:2], default=None)
+    picks = [r for r in ranked if best and r[:2] == best[:2]]
+    return dict(kept=kept, dropped=dropped, picks=[r[2] for r in picks],
+                kv=best[3] if best else None, accuracy=-best[1] if best else None)
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.0f} %"
+
+
+def _task_config(settings: dict, policy: str, ratio: float) -> str:
+    """A pick as the vToken config the run served it with (settings' prefill eviction and token sets)."""
+    cfg = {"policy": policy, "budget_ratio": ratio}
+    if settings.get("prefill_eviction") not in (None, "chunks"):  # chunks: the default
+        cfg["prefill_eviction"] = settings["prefill_eviction"]
+    if settings.get("granularity") not in (None, "policy default"):
+        cfg["granularity"] = settings["granularity"]
+    return json.dumps(cfg, separators=(",", ":"))
+
+
+def tasks_pick_text(name: str = "tasks_1k.json", tol: float = 0.05, floor: float = 0.6) -> str:
+    """The recommendation of a ``bench_tasks.py`` run (:func:`recommend_task_config`), its rule
+    stated, and each (task, length) the rule dropped with dense's accuracy."""
+    d = _load(name)
+    r = recommend_task_config(d["cells"], tol, floor)
+    where = (lambda t, n, a: f"{t} at {n:,} tokens: {_pct(a)}") if len(r["kept"]) > 1 else (lambda t, n, a: _pct(a))
+    near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
+    if r["dropped"]:
+        near += f"; dropped, dense under {floor * 100:g} %: " + ", ".join(
+            f"{t} at {n:,} tokens ({_pct(a)})" for t, n, a in r["dropped"])
+    if not r["picks"]:
+        return f"**No config recommended**: none has {near}.\n"
+    (pol, ratio), *rest = r["picks"]
+    return (f"**Recommended: `{_task_config(d['settings'], pol, ratio)}`**"
+            + "".join(f" (or `{p}`)" if q == ratio else f" (or `{p}` at {q * 100:g} %)" for p, q in rest)
+            + f": the smallest KV cache kept ({_pct(r['kv'])} of dense's) with {near}.\n")
+
+
 def tasks_table(name: str = "tasks_1k.json") -> str:
     """``bench_tasks.py``: per (task, length) and policy, accuracy (correct / n) at each budget ratio
-    of the prompt, and stock's with the full cache; the KV kept over stock's in the header."""
+    of the prompt, and stock's with the full cache; then the recommendation (``tasks_pick_text``)."""
     d = _load(name)
     cells = d["cells"]
     ratios = sorted({c["budget_ratio"] for c in cells if c["budget_ratio"]})
-    rows = ["| task, length | policy | " + " | ".join(f"{r * 100:g} % of the prompt" for r in ratios)
-            + " | stock (full cache) |", "|---|---|" + "---|" * (len(ratios) + 1)]
+    rows = ["| task, length | policy | " + " | ".join(f"{r * 100:g} %" for r in ratios)
+            + " of the prompt | stock (full cache) |", "|---|---|" + "---|" * (len(ratios) + 1)]
     for task, length in sorted({(c["task"], c["length"]) for c in cells}):
         here = [c for c in cells if (c["task"], c["length"]) == (task, length)]
         stock = next(f"{c['correct']}/{c['n']}" for c in here if c["arm"] == "stock")
@@ -591,7 +660,39 @@ def tasks_table(name: str = "tasks_1k.json") -> str:
             acc = {c["budget_ratio"]: f"{c['correct']}/{c['n']}" for c in here if c["policy"] == pol}
             rows.append(f"| {task}, {length} | `{pol}` | " + " | ".join(acc.get(r, "-") for r in ratios)
                         + f" | {stock} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n\n" + tasks_pick_text(name)
+
+
+def tasks_lead_table(name: str = TASKS_LEAD) -> str:
+    """README "Results", first: accuracy per policy (and stock) at each budget ratio on the
+    (task, length) pairs the rule keeps, the run's task, length, samples, model, command and prefix
+    caching, the recommended cells in bold, then ``tasks_pick_text``."""
+    d = _load(name)
+    cells, st = d["cells"], d["settings"]
+    r = recommend_task_config(cells)
+    keep = [(t, n) for t, n, _ in r["kept"]] or sorted({(c["task"], c["length"]) for c in cells})
+    here = [c for c in cells if (c["task"], c["length"]) in keep]
+    ns = sorted({c["n"] for c in here})
+    ratios = sorted({c["budget_ratio"] for c in here if c["budget_ratio"]})
+    head = (f"RULER {', '.join(f'{t} at {n:,} tokens' for t, n in keep)}, "
+            f"{'-'.join(map(str, (ns[0], ns[-1]) if len(ns) > 1 else ns))} samples a cell, "
+            f"{Path(st['model']).name}, prefix caching {'on' if st.get('prefix_caching') else 'off'} "
+            f"(`{d['command']}`):")
+
+    def acc(cs: list[dict]) -> str:
+        return " / ".join(_pct(c["accuracy"]) for c in sorted(cs, key=lambda c: keep.index((c["task"], c["length"]))))
+
+    rows = ["| accuracy, % of the prompt kept: | " + " | ".join(f"{x * 100:g} %" for x in ratios) + " | 100 % |",
+            "|---|" + "---|" * (len(ratios) + 1),
+            "| stock vLLM (dense) |" + " |" * len(ratios) + f" {acc([c for c in here if c['arm'] == 'stock'])} |"]
+    for pol in dict.fromkeys(c["policy"] for c in here if c["policy"]):
+        row = []
+        for x in ratios:
+            cs = [c for c in here if (c["policy"], c["budget_ratio"]) == (pol, x)]
+            v = acc(cs) if cs else "-"
+            row.append(f"**{v}**" if (pol, x) in r["picks"] else v)
+        rows.append(f"| `{pol}` | " + " | ".join(row) + " | |")
+    return head + "\n\n" + "\n".join(rows) + "\n\n" + tasks_pick_text(name)
 
 
 def model_families_readme_table(name: str = "model_families.json") -> str:
@@ -704,7 +805,9 @@ TABLES = {"overhead_table": overhead_table,
           "quality_keyonly_table": quality_keyonly_table, "sla_at_quality_table": sla_at_quality_table,
           "sla_pick_table": sla_pick_table,
           "model_families_table": model_families_table,
-          "model_families_readme_table": model_families_readme_table, "tasks_table": tasks_table,
+          "model_families_readme_table": model_families_readme_table,
+          "tasks_table": lambda: tasks_table("tasks_1k.json"), "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD),
+          "tasks_full_table": lambda: tasks_table("tasks.json"),  # for benchmarks/README.md once tasks.json is in
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
           "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),
@@ -726,5 +829,8 @@ TABLES = {"overhead_table": overhead_table,
 
 if __name__ == "__main__":
     for n, f in TABLES.items():
-        print(f"<!-- generated: benchmarks/doc_tables.py {n} -->\n{f()}<!-- end generated -->\n")
+        try:
+            print(f"<!-- generated: benchmarks/doc_tables.py {n} -->\n{f()}<!-- end generated -->\n")
+        except FileNotFoundError as e:  # a run not committed yet (tasks_full_table: results/tasks.json)
+            print(f"<!-- {n}: skipped, {Path(e.filename).name} not there -->\n")
 

@@ -517,17 +517,20 @@ def test_quality_granularity_and_keyonly_figures_match_results():
 
 
 # ----------------------------------------------------------------------------- SLA (benchmarks/README.md, "SLA")
-def test_readme_results_lead_with_the_sla_at_quality_tables():
-    """README "Results" opens with the pick table, then the SLA-at-quality table, both rendered
-    from ``results/sla_at_quality.json`` and the quality files; it names the command and quotes
-    the run's time and load averages from the file."""
+def test_readme_results_lead_with_the_task_table_then_the_sla_pick():
+    """README "Results" opens with the task-accuracy table (``tasks_lead_table``, tied to its result
+    file by tests/test_bench_tasks.py), then the serving pick table rendered from
+    ``results/sla_at_quality.json`` and the quality files (the per-policy SLA table is
+    benchmarks/README.md's); it names the command and quotes the run's time and load averages
+    from the file."""
     doc_tables = _doc_tables()
     readme = _readme()
     sec = readme[readme.index("\n## Results\n"):]
     sec = sec[: sec.index("\n## ", 5)]
-    assert sec.index("sla_pick_table") < sec.index("sla_at_quality_table")
+    blocks = re.findall(r"<!-- generated: benchmarks/doc_tables\.py (\w+) -->", sec)
+    assert blocks == ["tasks_lead_table", "sla_pick_table"], blocks
     assert _generated(sec, "benchmarks/doc_tables.py sla_pick_table") == doc_tables.sla_pick_table()
-    assert _generated(sec, "benchmarks/doc_tables.py sla_at_quality_table") == doc_tables.sla_at_quality_table()
+    assert "benchmarks/doc_tables.py sla_at_quality_table" in _bench()
     d = _load("sla_at_quality.json")
     assert d["command"].startswith("python benchmarks/bench_sla.py --policies h2o@worker")
     assert d["config"]["search"] == "bisect" and d["config"]["num_prompts"] >= 40 and d["config"]["budget"] == 128
@@ -551,6 +554,21 @@ def test_readme_results_lead_with_the_sla_at_quality_tables():
     make = (ROOT / "Makefile").read_text()
     cmd = make[make.index("\nbench-sla-at-quality:"):].split("\n\n")[0]
     assert " ".join(cmd.replace("\\\n", " ").split()[3:]) == d["command"].removeprefix("python ")
+
+
+def test_sla_pick_configs_start_and_no_generated_block_names_decide_on():
+    """The configs the pick table prints are configs vToken starts with, without the deprecated
+    ``decide_on`` the result files record; no generated block of the docs names it."""
+    from vtoken.config import parse_config
+
+    configs = re.findall(r"`(\{[^`]*\})`", _doc_tables().sla_pick_table())
+    assert configs
+    for raw in configs:
+        assert "decide_on" not in raw
+        parse_config(json.loads(raw))
+    for doc in DOCS:
+        for block in re.findall(r"<!-- generated: [^\n]*-->\n(.*?)<!-- end generated -->", doc.read_text(), re.S):
+            assert "decide_on" not in block, doc.name
 
 
 def test_sla_at_quality_quality_cells_are_the_matching_quality_runs():
