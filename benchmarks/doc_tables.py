@@ -731,6 +731,28 @@ def worker_step_table(name: str = "bench_worker_step.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+ENGINE_OPS = ("engine_ops_b8.json", "engine_ops_b64.json")
+
+
+def engine_ops_table(names: tuple[str, ...] = ENGINE_OPS, top: int = 4) -> str:
+    """``bench_engine_step.py --count-ops``: the torch ops one decode step dispatches, stock's and
+    vToken's own (by the innermost ``vtoken/`` frame), and vToken's largest sources; runs (batches)
+    with the same figures share a row."""
+    rows = ["| batch | stock: ops per step | vToken: vLLM's / own | largest (ops) |", "|---|---|---|---|"]
+    cells: dict[str, list[int]] = {}
+    for name in names:
+        d = _load(name)
+        oc = {r["arm"]: r for r in d["op_counts"]}
+        vt = oc["vtoken"]
+        big = sorted(vt["vtoken_sites"].items(), key=lambda kv: -kv[1])[:top]
+        where = ", ".join(f"`{k.rsplit(':', 1)[-1]}` {v:.0f}" for k, v in big)
+        cells.setdefault(f"{oc['stock']['total']:.0f} | {vt['vllm']:.0f} / {vt['vtoken']:.0f} | {where}", []).append(
+            d["config"]["batch"])
+    for cell, batches in cells.items():
+        rows.append(f"| {' and '.join(map(str, batches))} | {cell} |")
+    return "\n".join(rows) + "\n"
+
+
 def retained_blocks_table(name: str = "retained_blocks_full.json", model: str = "smollm2") -> str:
     """``bench_retained_blocks.py --full``: per policy and budget, the time-average blocks a request
     holds with no eviction, under Naive-Evict, under vToken and ideally (``ceil(kept/B)``), and
@@ -824,7 +846,7 @@ TABLES = {"overhead_table": overhead_table,
           "sla_512_snapkv_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512_snapkv.json"),
           "retained_blocks_table": retained_blocks_table,
           "preempt_table": preempt_table, "soak_rss_table": soak_rss_table,
-          "step_cost_table": step_cost_table}
+          "step_cost_table": step_cost_table, "engine_ops_table": engine_ops_table}
 
 
 if __name__ == "__main__":

@@ -84,9 +84,11 @@ def policies_markdown() -> str:
 
 
 def policy_classes_markdown() -> str:
-    """docs/configuration.md's table: each registered policy's name and class."""
-    rows = ["| name | class |", "|---|---|"]
+    """docs/configuration.md's list: each registered policy's name and class (``name``: ``class``,
+    the module named where it is not ``vtoken.policies.<name>``)."""
+    items = []
     for name in sorted(available_policies()):
         cls = get_policy_class(name)
-        rows.append(f"| `{name}` | `{cls.__module__}.{cls.__qualname__}` |")
-    return "\n".join(rows) + "\n"
+        mod = "" if cls.__module__ == f"vtoken.policies.{name}" else f"{cls.__module__}."
+        items.append(f"`{name}`: `{mod}{cls.__qualname__}`")
+    return "Classes (in `vtoken.policies.<name>`): " + "; ".join(items) + ".\n"
