@@ -291,7 +291,7 @@ class VTokenConfig(BaseModel):
         budget = self.budget if prompt_len is None else effective_budget(self, prompt_len)
         prefill = self.resolved_prefill_eviction()
         return RequestPlan(
-            policy=self.make_policy(budget), budget=budget, slack=self.resolved_slack(),
+            policy=self.make_policy(budget), budget=budget, slack=self.resolved_slack(budget),
             granularity=self.resolved_granularity(), prefill_eviction=prefill,
             point_every=self.prefill_eviction_every if prefill == "chunks" else 0, score_every=self.score_every,
             mode=self.mode, pacing=self.pacing, protect_cached_prefix=self.protect_cached_prefix,
@@ -328,13 +328,14 @@ class VTokenConfig(BaseModel):
             return self.prefill_eviction
         return "chunks"
 
-    def resolved_slack(self) -> int:
-        """Pacing slack in tokens after applying the policy default."""
+    def resolved_slack(self, budget: Optional[int] = None) -> int:
+        """Pacing slack in tokens after applying the policy default, which depends on the budget:
+        ``budget`` (a request's, after ``budget_ratio``: :meth:`plan`), else the configured one."""
         from vtoken.policies import get_policy_class
 
         if self.slack is not None:
             return self.slack
-        return get_policy_class(self.policy).default_slack(self.budget)
+        return get_policy_class(self.policy).default_slack(self.budget if budget is None else budget)
 
 
 class RequestOverrides(BaseModel):

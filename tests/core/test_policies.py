@@ -185,6 +185,11 @@ def test_pacing_num_to_evict_with_slack():
     assert VTokenConfig(policy="scissorhands", budget=10, slack=0).resolved_slack() == 0
     for name in ("h2o", "tova", "random", "streaming"):
         assert VTokenConfig(policy=name, budget=10).resolved_slack() == 0
+    # under budget_ratio the default slack follows each request's budget, not the configured one
+    ratio = VTokenConfig(policy="scissorhands", budget=10, budget_ratio=0.5)
+    assert ratio.plan(1000).budget == 500 and ratio.plan(1000).slack == 250
+    assert ratio.plan(100).budget == 50 and ratio.plan(100).slack == 25
+    assert ratio.plan().slack == 5  # (no prompt: the budget as given)
 
 
 # ------------------------------------------------------------------------- H2O
