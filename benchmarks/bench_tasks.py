@@ -27,7 +27,8 @@ task and length).
 Usage::
 
     .venv/bin/python benchmarks/bench_tasks.py --small      # stock + H2O 25 %, niah_single_1 at 1k, 20 samples
-    .venv/bin/python benchmarks/bench_tasks.py              # full: 6 tasks x {1k, 2k} x stock + 4 policies x 3 budgets, 25 samples
+    .venv/bin/python benchmarks/bench_tasks.py              # full: 6 tasks x {1k, 2k}: stock, then every policy x 3
+                                                            # budgets where stock reaches 60 %; 50 samples a cell
     .venv/bin/python benchmarks/bench_tasks.py --tasks ruler_vt --lengths 1024 --policies h2o tova --limit 10
 """
 
@@ -67,7 +68,9 @@ LEFT_OUT = {
     "ruler_qa_hotpot": "HotpotQA questions and passages from the Hugging Face hub",
 }
 RATIOS = [0.125, 0.25, 0.5]
-POLICIES = ["h2o", "tova", "snapkv", "streaming"]
+#: the full run's policies: every built-in one (``vtoken.policies.available_policies``, sorted)
+POLICIES = ["expected_attention", "h2o", "keydiff", "knorm", "observed_attention", "random", "scissorhands",
+            "snapkv", "streaming", "tova"]
 LENGTHS = [1024, 2048]
 SMALL = dict(tasks=["niah_single_1"], lengths=[1024], policies=["h2o"], ratios=[0.25], limit=20)
 #: ``--heatmap``: the needle heatmap (accuracy by needle depth x context length) for the default
@@ -76,7 +79,7 @@ HEATMAP = dict(tasks=["niah_single_1"], lengths=[1024, 2048, 4096], policies=["h
                limit=40)
 #: needle-depth bins of the heatmap (fractions of the prompt where the needle's value starts)
 DEPTH_BINS = 5
-FULL_LIMIT = 25
+FULL_LIMIT = 50
 
 
 # ----------------------------------------------------------------------------- pure helpers (tested)
@@ -119,6 +122,10 @@ def server_configs(arms: Iterable[dict[str, Any]], prefill_eviction: Optional[st
     return out
 
 
+#: a cell's ``slack`` where it is the policy's default for each request's own budget
+SLACK_PER_REQUEST = "the policy's default for each request's budget"
+
+
 def effective_settings(server_config: Optional[dict[str, Any]], policy: Optional[str]) -> dict[str, Any]:
     """What vToken applies to a request of ``policy`` on a server started with ``server_config``
     (``RequestOverrides.apply`` on the engine config): granularity, prefill_eviction, slack; {} for stock."""
@@ -126,8 +133,15 @@ def effective_settings(server_config: Optional[dict[str, Any]], policy: Optional
         return {}
     from vtoken.config import RequestOverrides, parse_config
 
-    plan = RequestOverrides(vtoken_policy=policy).apply(parse_config(server_config["vtoken"])).plan()
-    return dict(granularity=plan.granularity, prefill_eviction=plan.prefill_eviction, slack=plan.slack)
+    cfg = RequestOverrides(vtoken_policy=policy).apply(parse_config(server_config["vtoken"]))
+    plan = cfg.plan()
+    # a default slack that depends on the budget (Scissorhands: half of it) differs per request
+    from vtoken.policies import get_policy_class
+
+    fixed = cfg.slack is not None or get_policy_class(policy).default_slack(1) == \
+        get_policy_class(policy).default_slack(1 << 20)
+    return dict(granularity=plan.granularity, prefill_eviction=plan.prefill_eviction,
+                slack=plan.slack if fixed else SLACK_PER_REQUEST)
 
 
 def request_xargs(prompt_ids: Any, policy: Optional[str] = None, budget_ratio: Optional[float] = None,
@@ -229,6 +243,21 @@ def accuracy(samples: list[tuple[str, list[str]]]) -> dict[str, Any]:
     scores = [score_sample(p, r) for p, r in samples]
     return dict(accuracy=sum(scores) / len(scores) if scores else math.nan, n=len(scores),
                 correct=sum(s == 1.0 for s in scores))
+
+
+def dense_gate(stock_cells: Iterable[dict[str, Any]], floor: float) -> tuple[set[tuple[str, int]], list[dict[str, Any]]]:
+    """The (task, length) pairs on which dense (stock) accuracy reaches ``floor`` (fraction), and
+    the dropped ones (``task``, ``length``, ``accuracy``, ``n``): eviction arms run only where the
+    model solves the task with its full cache (issue rule: drop a length where dense is below 60 %).
+    ``floor`` 0 keeps every pair."""
+    keep, dropped = set(), []
+    for c in stock_cells:
+        key = (c["task"], int(c["length"]))
+        if c["accuracy"] >= floor:
+            keep.add(key)
+        else:
+            dropped.append(dict(task=c["task"], length=int(c["length"]), accuracy=c["accuracy"], n=c["n"]))
+    return keep, sorted(dropped, key=lambda d: (d["task"], d["length"]))
 
 
 def metric_delta(before: dict[str, float], after: dict[str, float], names: Iterable[str]) -> dict[str, float]:
@@ -573,6 +602,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help=f"samples per cell (default {FULL_LIMIT}; --small 20)")
     ap.add_argument("--granularity", default=None, help="vToken token sets (default: each policy's own)")
     ap.add_argument("--prefill-eviction", default="after", choices=["after", "chunks"])
+    ap.add_argument("--dense-floor", type=float, default=0.6,
+                    help="run the stock cells first and the eviction arms only on the (task, length) pairs where "
+                         "stock's accuracy reaches this fraction (0: every pair)")
     ap.add_argument("--concurrency", type=int, default=4, help="lm-eval's num_concurrent")
     ap.add_argument("--model", default=None, help="model directory (default: the local SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -626,6 +658,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         settings=dict(model=a.model, prefix_caching=False, tasks=a.tasks, lengths=a.lengths, limit=a.limit,
                       policies=a.policies, budget_ratios=a.ratios, granularity=a.granularity or "policy default",
                       prefill_eviction=a.prefill_eviction, concurrency=a.concurrency, seed=a.seed,
+                      dense_floor=a.dense_floor,
                       chat_template=True, greedy=True, parallel=a.parallel or "all cells",
                       lm_eval_model="vtoken-completions (local-completions + vllm_xargs per request)",
                       scorer="fraction of reference strings in the answer (RULER string_match_all)"),
@@ -671,21 +704,38 @@ def main(argv: Optional[list[str]] = None) -> int:
             arm, task, length = item
             return run_cell(a, servers[arm["server"]], arm, task, length, a.model, workdir, use)
 
-        with ThreadPoolExecutor(max_workers=a.parallel or total) as ex:
-            futs = [ex.submit(one, it) for it in cells_todo]
-            for f in as_completed(futs):
-                c = f.result()
-                eff = effective_settings(cfgs[c["server"]], c["policy"])
-                c.update(granularity=eff.get("granularity"), prefill_eviction=eff.get("prefill_eviction"),
-                         slack=eff.get("slack"))
-                with done_lock:
-                    k += 1
-                    doc["cells"].append(c)
-                kv = c["kv"]
-                print(f"[{k}/{total}] {c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} "
-                      f"({c['correct']}/{c['n']}; lm-eval {c['lm_eval_accuracy']}), kept tokens "
-                      f"{kv['mean_kept_tokens']}, {c['wall_s']} s, load {c['load_before'][0]:.2f}-"
-                      f"{c['load_after'][0]:.2f}", flush=True)
+        def run_all(items: list) -> None:
+            nonlocal k
+            with ThreadPoolExecutor(max_workers=a.parallel or max(len(items), 1)) as ex:
+                futs = [ex.submit(one, it) for it in items]
+                for f in as_completed(futs):
+                    c = f.result()
+                    eff = effective_settings(cfgs[c["server"]], c["policy"])
+                    c.update(granularity=eff.get("granularity"), prefill_eviction=eff.get("prefill_eviction"),
+                             slack=eff.get("slack"))
+                    with done_lock:
+                        k += 1
+                        doc["cells"].append(c)
+                    kv = c["kv"]
+                    print(f"[{k}/{total}] {c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} "
+                          f"({c['correct']}/{c['n']}; lm-eval {c['lm_eval_accuracy']}), kept tokens "
+                          f"{kv['mean_kept_tokens']}, {c['wall_s']} s, load {c['load_before'][0]:.2f}-"
+                          f"{c['load_after'][0]:.2f}", flush=True)
+
+        dense = [it for it in cells_todo if it[0]["server"] == "stock"]
+        if a.dense_floor > 0 and dense:
+            # dense first: the eviction arms run only where the full cache solves the task
+            run_all(dense)
+            keep, dropped = dense_gate([c for c in doc["cells"] if c["arm"] == "stock"], a.dense_floor)
+            doc["dense_gate"] = dict(floor=a.dense_floor, kept=sorted([t, n] for t, n in keep), dropped=dropped)
+            for d in dropped:
+                print(f"dropped {d['task']} at {d['length']}: dense accuracy {d['accuracy']:.3f} < "
+                      f"{a.dense_floor}", flush=True)
+            rest = [it for it in cells_todo if it[0]["server"] != "stock" and (it[1], it[2]) in keep]
+            total = len(dense) + len(rest)
+            run_all(rest)
+        else:
+            run_all(cells_todo)
         doc["cells_wall_s"] = round(time.time() - t_cells, 1)
         for n, srv in servers.items():
             mine = [c for c in doc["cells"] if c["server"] == n]

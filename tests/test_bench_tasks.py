@@ -84,8 +84,8 @@ def test_arm_list_is_stock_then_every_policy_at_every_ratio():
 
 def test_server_configs_one_stock_and_one_vtoken_server_per_engine_only_setting():
     arms = bt.arm_list(bt.POLICIES, bt.RATIOS)
-    assert bt.server_configs(arms) == {"stock": None,
-                                       "vtoken-after": {"vtoken": {"policy": "h2o", "prefill_eviction": "after"}}}
+    assert bt.server_configs(arms) == {"stock": None, "vtoken-after": {
+        "vtoken": {"policy": "expected_attention", "prefill_eviction": "after"}}}  # (the first arm's policy)
     chunks = bt.arm_list(["snapkv"], [0.5], prefill_eviction="chunks")
     assert bt.server_configs(chunks, "chunks")["vtoken-chunks"] == {"vtoken": {"policy": "snapkv",
                                                                                "prefill_eviction": "chunks"}}
@@ -123,12 +123,14 @@ def test_per_request_fields_on_the_shared_server_give_each_arms_own_engine_confi
             assert eff.resolved_granularity() == own.resolved_granularity()
             assert eff.prefill_eviction == own.prefill_eviction == "after"
             b = effective_budget(eff, prompt)
-            assert eff.resolved_slack() == own.resolved_slack() == 0
+            assert eff.plan(prompt).slack == own.plan(prompt).slack
+            assert eff.plan(prompt).slack == (b // 2 if arm["policy"] == "scissorhands" else 0)
             if b != effective_budget(own, prompt):
                 # only where the policy's sinks + recent tokens raise a tiny budget
                 assert prompt == 30, (arm, prompt)
         assert bt.effective_settings(bt.server_configs(arms)["vtoken-after"], arm["policy"]) == dict(
-            granularity=own.resolved_granularity(), prefill_eviction="after", slack=0)
+            granularity=own.resolved_granularity(), prefill_eviction="after",
+            slack=bt.SLACK_PER_REQUEST if arm["policy"] == "scissorhands" else 0)
     assert bt.effective_settings(None, None) == {}
 
 
@@ -492,3 +494,23 @@ def test_needle_heatmap_figures_equal_the_result():
     assert f"stock {row('stock')}, TOVA {row('tova-25pct')}, H2O (the default) {row('h2o-25pct')} of 40" in text
     assert all(sum(b["correct"] for b in c["by_depth"][:-1]) == 0 for c in got["h2o-25pct"].values())
     assert "only with the needle in the last fifth" in text
+
+
+def test_dense_gate_drops_the_pairs_stock_does_not_solve():
+    stock = [dict(task="niah_single_1", length=1024, accuracy=1.0, n=50),
+             dict(task="niah_single_1", length=2048, accuracy=0.6, n=50),  # exactly the floor: kept
+             dict(task="niah_multikey_2", length=1024, accuracy=0.2, n=25),
+             dict(task="ruler_vt", length=2048, accuracy=0.58, n=50)]
+    keep, dropped = bt.dense_gate(stock, 0.6)
+    assert keep == {("niah_single_1", 1024), ("niah_single_1", 2048)}
+    assert dropped == [dict(task="niah_multikey_2", length=1024, accuracy=0.2, n=25),
+                       dict(task="ruler_vt", length=2048, accuracy=0.58, n=50)]
+    keep0, dropped0 = bt.dense_gate(stock, 0.0)
+    assert len(keep0) == 4 and dropped0 == []
+
+
+def test_full_run_defaults_cover_every_registered_policy_at_50_samples():
+    from vtoken.policies import available_policies
+
+    assert bt.POLICIES == sorted(available_policies())
+    assert bt.FULL_LIMIT == 50 and bt.RATIOS == [0.125, 0.25, 0.5] and bt.LENGTHS == [1024, 2048]
