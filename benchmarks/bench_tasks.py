@@ -597,7 +597,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--heatmap", action="store_true", help=f"the needle heatmap: {HEATMAP}")
     ap.add_argument("--tasks", nargs="+", default=None, choices=TASKS)
     ap.add_argument("--lengths", nargs="+", type=int, default=None)
-    ap.add_argument("--policies", nargs="+", default=None)
+    ap.add_argument("--policies", nargs="*", default=None,
+                    help="vToken policies (default: every built-in one; none: stock alone, dense accuracy only)")
     ap.add_argument("--ratios", nargs="+", type=float, default=None, help="budgets as fractions of the prompt")
     ap.add_argument("--limit", type=int, default=None, help=f"samples per cell (default {FULL_LIMIT}; --small 20)")
     ap.add_argument("--granularity", default=None, help="vToken token sets (default: each policy's own)")
