@@ -81,8 +81,7 @@ class StepHooks(RunHooks):
     profile = False
 
     def attach(self, engine, sched) -> None:
-        from vtoken.integrations.vllm.worker import step as worker_core
-        from vtoken.integrations.vllm.worker import eviction as decisions, scoring
+        from vtoken.integrations.vllm.worker import eviction, scoring, step
         from vtoken.integrations.vllm.worker import runner_v1
 
         self.steps: list[dict[str, float]] = []
@@ -104,12 +103,12 @@ class StepHooks(RunHooks):
         for cls, name, key in ((scoring.StepScores, "accumulate", "scoring_layers"),
                                (scoring.StepScores, "result", "scoring_result"),
                                (scoring.StepScores, "batched", "scoring_result"),
-                               (worker_core.WorkerStep, "begin_step", "begin_step"),
-                               (worker_core.WorkerStep, "_apply_set_moves", "kv_moves"),
-                               (worker_core.WorkerStep, "start_scoring", "start_scoring"),
-                               (decisions.WorkerEviction, "begin", "begin"),
-                               (decisions.WorkerEviction, "fold", "fold"),
-                               (decisions.WorkerEviction, "take_naive_freed", "naive"),
+                               (step.WorkerStep, "begin_step", "begin_step"),
+                               (step.WorkerStep, "_apply_set_moves", "kv_moves"),
+                               (step.WorkerStep, "start_scoring", "start_scoring"),
+                               (eviction.WorkerEviction, "begin", "begin"),
+                               (eviction.WorkerEviction, "fold", "fold"),
+                               (eviction.WorkerEviction, "take_naive_freed", "naive"),
                                (runner_v1.VTokenV1Adapter, "_vt_physical_inputs", "physical")):
             if hasattr(cls, name):  # (a baseline tree may lack one)
                 setattr(cls, name, timed(getattr(cls, name), key))

@@ -69,8 +69,7 @@ class SplitHooks(RunHooks):
     """Times the parts of every engine step (see the module docstring); in the harness process."""
 
     def attach(self, engine, sched) -> None:
-        from vtoken.integrations.vllm.worker import scoring
-        from vtoken.integrations.vllm.worker import step as worker_core
+        from vtoken.integrations.vllm.worker import scoring, step
 
         self.steps: list[dict[str, float]] = []
         self.cur: dict[str, float] = {}
@@ -85,7 +84,7 @@ class SplitHooks(RunHooks):
             return w
 
         for cls, name, key in ((scoring.StepScores, "accumulate", "scoring"), (scoring.StepScores, "result", "scoring"),
-                               (worker_core.WorkerStep, "begin_step", "moves")):
+                               (step.WorkerStep, "begin_step", "moves")):
             setattr(cls, name, timed(getattr(cls, name), key))
         core = engine.engine_core.engine_core
         ex = core.model_executor

@@ -499,8 +499,8 @@ class WorkerStepBench:
         self.R, self.L, self.B = int(num_requests), int(live), int(block_size)
         self.device = torch.device(device)
         self.policy, self.spec = make_policy(policy, live, granularity)
-        self.S = num_sets(self.spec.granularity, layers, kv_heads)
-        k = evictable(live, live, self.spec.sink_tokens, self.spec.recent_tokens, 0)
+        self.S = num_sets(self.spec.plan.granularity, layers, kv_heads)
+        k = evictable(live, live, self.spec.plan.sink_tokens, self.spec.plan.recent_tokens, 0)
         if k < 1:
             raise ValueError(f"policy {policy!r} at budget {live - 1} protects all {live} live tokens")
         self.nb = cdiv(live, block_size)
@@ -522,7 +522,7 @@ class WorkerStepBench:
         self.want_col = bool(need & AttentionNeed.COL_SUM)
         self.want_last = bool(need & AttentionNeed.LAST_ROW)
         # (StepScores.result: [S, live] for a request with token sets, [live] at granularity request)
-        shape = (self.R, live) if self.spec.granularity == "request" else (self.R, self.S, live)
+        shape = (self.R, live) if self.spec.plan.granularity == "request" else (self.R, self.S, live)
         self.stats = {}
         if self.want_col:
             self.stats["col"] = rng.random(shape)
@@ -535,7 +535,7 @@ class WorkerStepBench:
             # StepScores.batched: one tensor per step for every row (column sums and last rows
             # alike); per (layer, KV head) with token sets, the mean over every one without
             per_head = acc = None
-            if self.spec.granularity == "request":
+            if self.spec.plan.granularity == "request":
                 acc = torch.from_numpy(rng.random((self.R, live))).to(self.device)
             else:
                 per_head = torch.from_numpy(rng.random((self.R, layers, kv_heads, live))).to(self.device)
@@ -617,7 +617,7 @@ class WorkerStepBench:
         assert per_row == [self.S] * self.R, f"evictions per request {sorted(set(per_row))}, expected {self.S} (one per set)"
         m = 0
         for gran, src, dst, sets in moves:
-            assert gran == self.spec.granularity
+            assert gran == self.spec.plan.granularity
             assert src.shape == dst.shape == sets.shape and src.dim() == 1
             if src.numel():
                 assert bool((src != dst).all()) and int(sets.min()) >= 0 and int(sets.max()) < self.S
@@ -635,7 +635,7 @@ class WorkerStepBench:
         logical = self.L + self.steps
         assert bool((srt[..., 1:] > srt[..., :-1]).all()), "a set holds a logical position twice"
         assert int(srt[..., 0].min()) >= 0 and int(srt[..., -1].max()) == logical - 1
-        sinks, recent = self.spec.sink_tokens, self.spec.recent_tokens
+        sinks, recent = self.spec.plan.sink_tokens, self.spec.plan.recent_tokens
         if recent:
             assert bool(((pos >= logical - recent).sum(-1) == recent).all()), "a recent token was evicted"
         if sinks:

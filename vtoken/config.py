@@ -535,11 +535,6 @@ class RequestPlan:
         return self.policy.recent_tokens
 
     @property
-    def needs(self):
-        """The policy's :class:`~vtoken.policies.base.AttentionNeed`."""
-        return self.policy.needs
-
-    @property
     def chunks(self) -> bool:
         """``prefill_eviction: chunks``: it may evict between its prefill chunks."""
         return self.prefill_eviction == "chunks"

@@ -1,7 +1,7 @@
 """The policy added as one file (``vtoken/policies/observed_attention.py``, issue 44): found without
 registration, H2O's score with no recent window, against hand-computed victims.
 
-The engine matrices (``tests/integration/test_worker_decisions.py``, ``test_granularity.py``,
+The engine matrices (``tests/integration/test_worker_eviction.py``, ``test_granularity.py``,
 ``test_prefill_eviction.py``) and ``tests/core/test_side_cache.py`` take every registered policy, so
 they run this one against the dense oracle with no change."""
 

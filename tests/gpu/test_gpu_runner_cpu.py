@@ -6,7 +6,7 @@
   FlashAttention (``get_supported_kv_cache_layouts``) is ``LBNHC``;
 * ``GPUStepScores`` (the Triton scorer's plan; the PyTorch scorer on CPU tensors) gives the CPU
   worker's ``StepScores`` numbers to 1e-5 for decode rows, prefill chunks and last-row-only rows;
-* ``VTokenGPUWorkerCore`` applies the worker's moves per token set through the paged layout;
+* ``GPUWorkerStep`` applies the worker's moves per token set through the paged layout;
 * the runners' physical inputs: MRV2 gives attention a **persistent** ``seq_lens`` buffer on
   every step (same address with and without offsets; ``input_batch.seq_lens`` stays logical),
   physical positions and upper bounds; V1 subtracts in place and recomputes the slot mapping
@@ -142,15 +142,15 @@ def test_gpu_step_scores_equal_cpu_step_scores():
     np.testing.assert_allclose(o["a"][0].sum(), 1.0, atol=1e-5)  # one query row: a distribution
 
 
-# ---------------------------------------------------------------------- worker core
-def _core(views, layout="LBNHC"):
-    from vtoken.integrations.vllm.worker.gpu_runner import VTokenGPUWorkerCore
+# ---------------------------------------------------------------------- worker step
+def _step(views, layout="LBNHC"):
+    from vtoken.integrations.vllm.worker.gpu_runner import GPUWorkerStep
 
     fc = {f"layer.{i}": SimpleNamespace(kv_cache=v, impl=SimpleNamespace()) for i, v in enumerate(views)}
-    return VTokenGPUWorkerCore(fc, PagedKVLayout(layout), lambda: (np.zeros(1), np.zeros(0)))
+    return GPUWorkerStep(fc, PagedKVLayout(layout), lambda: (np.zeros(1), np.zeros(0)))
 
 
-def test_core_applies_the_decisions_moves_per_set_and_records_offsets():
+def test_step_applies_the_worker_moves_per_set_and_records_offsets():
     """The worker's moves (``WorkerEviction``: global slots and each move's token set) go to
     every layer through the paged layout, per set: ``request`` moves every layer and head,
     ``head`` only the (layer, KV head) of its set; offsets and score requests are recorded."""
@@ -162,12 +162,12 @@ def test_core_applies_the_decisions_moves_per_set_and_records_offsets():
     ref = [v.clone() for v in views]
     src, dst = torch.tensor([1, 2, 30]), torch.tensor([60, 61, 5])
     move_tokens_paged_reference(ref, src, dst)
-    core = _core(views)
-    core._apply_set_moves("request", src, dst, torch.zeros(3, dtype=torch.int64))
+    ws = _step(views)
+    ws._apply_set_moves("request", src, dst, torch.zeros(3, dtype=torch.int64))
     assert all(torch.equal(v, r) for v, r in zip(views, ref))
     # head sets: set s = layer * Hkv + head; move slot 7 -> 3 in (layer 2, head 1) only
     before = [v.clone() for v in views]
-    core._apply_set_moves("head", torch.tensor([7]), torch.tensor([3]), torch.tensor([2 * 2 + 1]))
+    ws._apply_set_moves("head", torch.tensor([7]), torch.tensor([3]), torch.tensor([2 * 2 + 1]))
     bs = views[0].shape[2]
     for layer, v in enumerate(views):
         want = before[layer].clone()
@@ -175,11 +175,11 @@ def test_core_applies_the_decisions_moves_per_set_and_records_offsets():
             want[3 // bs, 1, 3 % bs] = before[layer][7 // bs, 1, 7 % bs]
         assert torch.equal(v, want), layer
     p = StepPayload(offsets={"a": 3, "b": 0}, scores={"a": COL})
-    core.offsets["b"] = 2
-    core.begin_step(p)
-    assert core.offsets == {"a": 3} and core.score_reqs == {"a": COL} and core.needs_scores()
-    core.begin_step(None)
-    assert not core.needs_scores()
+    ws.offsets["b"] = 2
+    ws.begin_step(p)
+    assert ws.offsets == {"a": 3} and ws.score_reqs == {"a": COL} and ws.needs_scores()
+    ws.begin_step(None)
+    assert not ws.needs_scores()
 
 
 def test_kernel_block_split_refused():
@@ -189,14 +189,14 @@ def test_kernel_block_split_refused():
     from vtoken.integrations.vllm.frontend.refusals import REFUSALS
 
     _, views = _views(KVCacheLayout.LBNHC, layers=2, bs=32, kernel_block_size=16)
-    core = _core(views)
+    ws = _step(views)
     with pytest.raises(VTokenConfigError) as ei:
-        check_caches(core, 32)
+        check_caches(ws, 32)
     reason = next(r.reason for r in REFUSALS if r.key == "block_size")
     assert str(ei.value) == (f"--block-size = 32: vToken does not support it yet ({reason}; the attention backend "
                              "splits it into kernel blocks of 16 tokens)")
     _, views = _views(KVCacheLayout.LBNHC, layers=2, bs=32)
-    assert check_caches(_core(views), 32) == 2
+    assert check_caches(_step(views), 32) == 2
 
 
 def test_pinned_staging_cpu_copy_and_bounds():
@@ -216,7 +216,7 @@ def _v2_runner(offsets: dict[str, int]):
 
     r = VTokenGPUModelRunnerV2.__new__(VTokenGPUModelRunnerV2)
     r.max_num_reqs, r.max_num_tokens, r.device = 8, 64, torch.device("cpu")
-    r._vt = _core([])
+    r._vt = _step([])
     r._vt.offsets.update(offsets)
     r._vt_init_buffers()
     return r

@@ -95,7 +95,7 @@ def test_growth():
 
 def test_a_step_evicts_one_token_per_set_and_keeps_the_live_count():
     b = bw.WorkerStepBench(3, LIVE, layers=LAYERS, kv_heads=KV_HEADS)
-    assert b.S == S and b.spec.granularity == "head" and b.policy.name == "h2o"
+    assert b.S == S and b.spec.plan.granularity == "head" and b.policy.name == "h2o"
     rows = b.rows
     dead0 = b.dec.dead[rows].sum(1).tolist() if b.dec.dead.shape[1] else [0] * 3
     ms = b.step()
@@ -104,8 +104,8 @@ def test_a_step_evicts_one_token_per_set_and_keeps_the_live_count():
     assert [x - y for x, y in zip(b.dec.dead[rows].sum(1).tolist(), dead0)] == [S] * 3
     b.step()
     assert b.final_check() == dict(sets_checked=S * 3, distinct_live=LIVE, logical=LIVE + 2, sinks=0,
-                                   recent=b.spec.recent_tokens)
-    assert b.spec.recent_tokens > 0
+                                   recent=b.spec.plan.recent_tokens)
+    assert b.spec.plan.recent_tokens > 0
 
 
 def test_the_step_check_fails_when_nothing_is_evicted():

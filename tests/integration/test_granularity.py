@@ -22,7 +22,7 @@ from vtoken.config import parse_config, parse_request_overrides
 from drivers.harness import run_in_subprocess
 
 from execution_paths import EXPECTED, path_env
-from test_worker_decisions import _naive_blocks
+from test_worker_eviction import _naive_blocks
 
 pytestmark = pytest.mark.engine
 

@@ -43,21 +43,6 @@ class WorkerSpec(NamedTuple):
     cached_tokens: int = 0
     shared_tokens: Optional[int] = None
 
-    @property
-    def policy(self) -> Any:
-        return self.plan.policy
-
-    @property
-    def sink_tokens(self) -> int:
-        return self.plan.sink_tokens
-
-    @property
-    def recent_tokens(self) -> int:
-        return self.plan.recent_tokens
-
-    @property
-    def granularity(self) -> str:
-        return self.plan.granularity
 
 #: req_id -> (col_sum or None, last_row or None); float64 ``[num_live]`` indexed by physical slot
 #: (with several token sets: ``[S, num_live]``, each set in its own slot order).

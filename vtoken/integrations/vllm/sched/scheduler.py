@@ -111,6 +111,8 @@ class VTokenSchedulerMixin:
         self._vt_released_now: list = []
         #: each request's plan (its config resolved once when it arrives; None: no eviction)
         self._vt_plans: dict[str, Optional[RequestPlan]] = {}
+        #: the requests whose plan may evict (``RequestPlan.may_evict``, computed once when they arrive)
+        self._vt_may_evict: set[str] = set()
         #: prefill_eviction chunks, a request that may evict: req_id -> prefill_eviction_every
         #: (its eviction points; vLLM's chunks are cut there: _reserve_prefill_lookahead)
         self._vt_points: dict[str, int] = {}
@@ -171,6 +173,8 @@ class VTokenSchedulerMixin:
                 self.vt_stats.request_faults += 1
         self._vt_plans[request.request_id] = plan
         may_evict = plan is not None and plan.may_evict(request.num_prompt_tokens, self._vt_max_tokens(request))
+        if may_evict:
+            self._vt_may_evict.add(request.request_id)
         if (may_evict and self._vt_caching and plan.prefix_hits == "skip" and not request.skip_reading_prefix_cache
                 and plan.policy.prompt_statistics):
             # A hit would be kept (protected, _vt_state), so the request's tokens would depend on
@@ -215,7 +219,7 @@ class VTokenSchedulerMixin:
         # the counts and per-step fields in a row of self._vt_cols
         st = CountState(plan=plan, budget=plan.budget, slack=plan.slack, prompt_len=prompt_len,
                         cols=self._vt_cols, block_size=self._vt_bs)
-        st.may_evict = plan.may_evict(prompt_len, self._vt_max_tokens(request))
+        st.may_evict = rid in self._vt_may_evict
         st.chunk_evict = plan.chunks
         st.point_every = plan.point_every
         st.score_need = pol.needs.value
@@ -1053,6 +1057,7 @@ class VTokenSchedulerMixin:
                 st.detach()  # its figures stay readable; the row is reused
         if request.is_finished():
             self._vt_plans.pop(rid, None)
+            self._vt_may_evict.discard(rid)
             self._vt_points.pop(rid, None)
             self._vt_accounting.cache_cap.pop(rid, None)
             self._vt_accounting.admission_cap.pop(rid, None)

@@ -292,7 +292,8 @@ class WorkerEviction:
 
     @staticmethod
     def _key(spec: WorkerSpec) -> str:
-        return f"{spec.granularity}:{dataclasses.replace(spec.policy, sink_tokens=0, recent_tokens=0)!r}"
+        plan = spec.plan
+        return f"{plan.granularity}:{dataclasses.replace(plan.policy, sink_tokens=0, recent_tokens=0)!r}"
 
     def granularity(self, rid: str) -> str:
         """The token-set granularity of a tracked request (``request`` for an unknown one)."""
@@ -302,7 +303,7 @@ class WorkerEviction:
     def window(self, rid: str) -> Optional[int]:
         """The observation window of a tracked request's policy (SnapKV), or None."""
         got = self.where.get(rid)
-        return None if got is None else getattr(got[2].policy, "window", None)
+        return None if got is None else getattr(got[2].plan.policy, "window", None)
 
     def bytes_per_token(self) -> int:
         """Side-cache bytes per KV slot over every policy group so far."""
@@ -373,25 +374,26 @@ class WorkerEviction:
                 self._drop(rid)
         for rid, spec in payload.states.items():
             self._drop(rid)
+            plan = spec.plan
             key = self._key(spec)
             g = self.groups.get(key)
             if g is None:
-                sets = num_sets(spec.granularity, self.num_layers, self.num_kv_heads)
-                g = self.groups[key] = _Group(spec.policy, spec.granularity, sets, self.num_slots, self.block_size,
+                sets = num_sets(plan.granularity, self.num_layers, self.num_kv_heads)
+                g = self.groups[key] = _Group(plan.policy, plan.granularity, sets, self.num_slots, self.block_size,
                                               self.device, gid=len(self._glist))
                 self._glist.append(g)
                 b = g.dec.side.bytes_per_token
-                args = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)
+                args = {f.name: getattr(plan.policy, f.name) for f in dataclasses.fields(plan.policy)
                         if f.name not in ("sink_tokens", "recent_tokens")}
                 logger.info("vToken: worker-side decisions for policy %s %s, granularity %s (%d token sets per "
                             "request; sinks and recent window per request): side cache %d bytes per token, %.1f MiB "
-                            "(%.2f%% of the KV cache)", spec.policy.name, args, spec.granularity, sets,
+                            "(%.2f%% of the KV cache)", plan.policy.name, args, plan.granularity, sets,
                             b, b * self.num_slots / 2**20,
                             100.0 * b * self.num_slots / self.kv_bytes if self.kv_bytes else float("nan"))
             row = g.add()
             self.where[rid] = (g, row, spec)
             self._code[rid] = (g.gid << 32) | row
-            g.prot_h[row] = (spec.sink_tokens, spec.recent_tokens, spec.protected_prefix)
+            g.prot_h[row] = (plan.sink_tokens, plan.recent_tokens, spec.protected_prefix)
             shared = spec.cached_tokens if spec.shared_tokens is None else spec.shared_tokens
             if shared:  # a prefix-cache hit: blocks others hold and write (module docstring)
                 g.dec.share_prefix(torch.tensor([row], device=g.dec.live.device), shared)

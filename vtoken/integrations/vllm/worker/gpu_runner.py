@@ -51,7 +51,7 @@ from vtoken.integrations.vllm.worker.runner_v2 import VTokenV2Adapter
 from vtoken.integrations.vllm.worker.step import WorkerStep
 from vtoken.policies.base import AttentionNeed
 
-__all__ = ["PinnedStaging", "GPUStepScores", "VTokenGPUWorkerCore", "VTokenGPUModelRunner",
+__all__ = ["PinnedStaging", "GPUStepScores", "GPUWorkerStep", "VTokenGPUModelRunner",
            "VTokenGPUModelRunnerV2", "check_caches"]
 
 
@@ -198,7 +198,7 @@ def check_caches(core: WorkerStep, block_size: int) -> int:
     return len(caches)
 
 
-class VTokenGPUWorkerCore(WorkerStep):
+class GPUWorkerStep(WorkerStep):
     """:class:`WorkerStep` with device-side moves and the Triton scorer (module docstring).
 
     Args:
@@ -272,9 +272,9 @@ class VTokenGPUModelRunner(_CUDARunnerHooks, VTokenV1Adapter, GPUModelRunner):
         self._vt_off = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
         self._vt_phys_pos = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=self.device)
 
-    def _vt_new_core(self) -> VTokenGPUWorkerCore:
-        return VTokenGPUWorkerCore(self.compilation_config.static_forward_context,
-                                   flash_attn_kv_layout(self.cache_config), self._vt_host_batch)
+    def _vt_new_step(self) -> GPUWorkerStep:
+        return GPUWorkerStep(self.compilation_config.static_forward_context,
+                             flash_attn_kv_layout(self.cache_config), self._vt_host_batch)
 
     def _vt_host_batch(self) -> tuple[np.ndarray, np.ndarray]:
         n = self.input_batch.num_reqs
@@ -311,9 +311,9 @@ class VTokenGPUModelRunnerV2(_CUDARunnerHooks, VTokenV2Adapter, model_runner.GPU
         self._vt_phys_seq_lens = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
         self._vt_host: tuple[np.ndarray, np.ndarray] = (np.zeros(1, np.int32), np.zeros(0, np.int32))
 
-    def _vt_new_core(self) -> VTokenGPUWorkerCore:
-        return VTokenGPUWorkerCore(self.compilation_config.static_forward_context,
-                                   flash_attn_kv_layout(self.cache_config), lambda: self._vt_host)
+    def _vt_new_step(self) -> GPUWorkerStep:
+        return GPUWorkerStep(self.compilation_config.static_forward_context,
+                             flash_attn_kv_layout(self.cache_config), lambda: self._vt_host)
 
     def update_requests(self, scheduler_output) -> None:
         # the graph manager may be (re)built after __init__: wrap its dispatch before vLLM dispatches

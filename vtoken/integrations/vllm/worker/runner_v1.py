@@ -38,16 +38,16 @@ def cpu_layout_for(layer, kv_cache: torch.Tensor) -> KVLayout:
 class VTokenV1Adapter:
     """vToken's seams on a V1 runner (module docstring); mixed in before the runner class.
 
-    Hooks a device-specific runner overrides: :meth:`_vt_new_core` (the worker step and its
+    Hooks a device-specific runner overrides: :meth:`_vt_new_step` (the worker step and its
     KV layout) and :meth:`_vt_physical_inputs` (how ``seq_lens`` and the slot mapping become
     physical). ``gpu_runner.VTokenGPUModelRunner`` is the CUDA one.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._vt = self._vt_new_core()
+        self._vt = self._vt_new_step()
 
-    def _vt_new_core(self) -> WorkerStep:
+    def _vt_new_step(self) -> WorkerStep:
         return WorkerStep(self.compilation_config.static_forward_context, cpu_layout_for)
 
     def load_model(self, *args, **kwargs) -> None:

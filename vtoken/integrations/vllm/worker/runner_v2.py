@@ -42,7 +42,7 @@ __all__ = ["VTokenV2Adapter", "VTokenCPUModelRunnerV2"]
 class VTokenV2Adapter:
     """vToken's seams on a Model Runner V2 runner (module docstring); mixed in before the runner class.
 
-    Hooks a device-specific runner overrides: :meth:`_vt_new_core`, :meth:`_vt_physical_positions`,
+    Hooks a device-specific runner overrides: :meth:`_vt_new_step`, :meth:`_vt_physical_positions`,
     :meth:`_vt_physical_seq_lens` and :attr:`_vt_always_physical` (route attention's ``seq_lens``
     through the hook on every step, offsets or not: CUDA graphs capture the buffer it returns).
     ``gpu_runner.VTokenGPUModelRunnerV2`` is the CUDA one.
@@ -52,11 +52,11 @@ class VTokenV2Adapter:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._vt = self._vt_new_core()
+        self._vt = self._vt_new_step()
         #: this step's per-row offsets (batch order), set by prepare_attn for the metadata build
         self._vt_batch_off: Optional[np.ndarray] = None
 
-    def _vt_new_core(self) -> WorkerStep:
+    def _vt_new_step(self) -> WorkerStep:
         return WorkerStep(self.compilation_config.static_forward_context, cpu_layout_for)
 
     def load_model(self, *args, **kwargs) -> None:
