@@ -580,6 +580,8 @@ def _short_refusal(text: str) -> str:
 #: the task-accuracy run README's "Results" leads with (``tasks_lead_table``); the full run, when
 #: committed, is ``"tasks.json"``
 TASKS_LEAD = "tasks_1k.json"
+#: README's lead table: the best policies shown (the default policy too), the others in one line
+TASKS_LEAD_TOP = 4
 
 
 def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0.6) -> dict:
@@ -663,10 +665,12 @@ def tasks_table(name: str = "tasks_1k.json") -> str:
     return "\n".join(rows) + "\n\n" + tasks_pick_text(name)
 
 
-def tasks_lead_table(name: str = TASKS_LEAD) -> str:
+def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: str = "h2o") -> str:
     """README "Results", first: accuracy per policy (and stock) at each budget ratio on the
     (task, length) pairs the rule keeps, the run's task, length, samples, model, command and prefix
-    caching, the recommended cells in bold, then ``tasks_pick_text``."""
+    caching, the recommended cells in bold, then ``tasks_pick_text``. ``top``: only the ``top``
+    policies by mean accuracy over the ratios (ties in the run's order), and ``default`` (the
+    default policy) after them if it is not one, the others named in one line."""
     d = _load(name)
     cells, st = d["cells"], d["settings"]
     r = recommend_task_config(cells)
@@ -685,13 +689,25 @@ def tasks_lead_table(name: str = TASKS_LEAD) -> str:
     rows = ["| accuracy, % of the prompt kept: | " + " | ".join(f"{x * 100:g} %" for x in ratios) + " | 100 % |",
             "|---|" + "---|" * (len(ratios) + 1),
             "| stock vLLM (dense) |" + " |" * len(ratios) + f" {acc([c for c in here if c['arm'] == 'stock'])} |"]
-    for pol in dict.fromkeys(c["policy"] for c in here if c["policy"]):
+    pols = list(dict.fromkeys(c["policy"] for c in here if c["policy"]))
+    rest: list[str] = []
+    if top is not None and len(pols) > top:
+        mean = {p: sum(c["accuracy"] for c in here if c["policy"] == p) / max(1, sum(c["policy"] == p for c in here))
+                for p in pols}
+        shown = sorted(pols, key=lambda p: -mean[p])[:top]
+        shown += [default] if default in pols and default not in shown else []
+        rest = [p for p in pols if p not in shown]
+        pols = shown
+    for pol in pols:
         row = []
         for x in ratios:
             cs = [c for c in here if (c["policy"], c["budget_ratio"]) == (pol, x)]
             v = acc(cs) if cs else "-"
             row.append(f"**{v}**" if (pol, x) in r["picks"] else v)
         rows.append(f"| `{pol}` | " + " | ".join(row) + " | |")
+    if rest:
+        rows.append(f"| {', '.join(f'`{p}`' for p in rest)} | [below](benchmarks/README.md#task-accuracy-ruler) |"
+                    + " |" * len(ratios))
     return head + "\n\n" + "\n".join(rows) + "\n\n" + tasks_pick_text(name)
 
 
@@ -828,7 +844,7 @@ TABLES = {"overhead_table": overhead_table,
           "sla_pick_table": sla_pick_table,
           "model_families_table": model_families_table,
           "model_families_readme_table": model_families_readme_table,
-          "tasks_table": lambda: tasks_table("tasks_1k.json"), "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD),
+          "tasks_table": lambda: tasks_table("tasks_1k.json"), "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD, top=TASKS_LEAD_TOP),
           "tasks_full_table": lambda: tasks_table("tasks.json"),  # for benchmarks/README.md once tasks.json is in
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),

@@ -423,6 +423,12 @@ def test_tasks_pick_text_and_lead_table_on_a_hand_made_run(tmp_path, monkeypatch
     assert rows[2] == "| stock vLLM (dense) | | | | 90 % |"
     assert rows[3:] == ["| `h2o` | 84 % | 85 % | - | |", "| `tova` | - | **90 %** | - | |",
                         "| `snapkv` | - | **90 %** | - | |", "| `knorm` | - | - | 100 % | |"]
+    # top 2 by mean accuracy (knorm 100 %, tova 90 %: snapkv ties tova and comes later), then the
+    # default policy (h2o), the rest in one line
+    rows2 = doc_tables.tasks_lead_table("t.json", top=2).split("\n\n")[1].splitlines()
+    assert rows2[3:] == ["| `knorm` | - | - | 100 % | |", "| `tova` | - | **90 %** | - | |",
+                         "| `h2o` | 84 % | 85 % | - | |",
+                         "| `snapkv` | [below](benchmarks/README.md#task-accuracy-ruler) | | | |"]
 
 
 def test_readme_leads_with_the_task_table_and_its_recommendation():
@@ -436,7 +442,8 @@ def test_readme_leads_with_the_task_table_and_its_recommendation():
     m = re.search(r"<!-- generated: benchmarks/doc_tables.py tasks_lead_table -->\n(.*?)<!-- end generated -->",
                   sec, re.S)
     assert m and sec.index("<!-- generated:") == m.start()
-    assert m.group(1) == doc_tables.tasks_lead_table(doc_tables.TASKS_LEAD) == doc_tables.TABLES["tasks_lead_table"]()
+    assert m.group(1) == doc_tables.tasks_lead_table(doc_tables.TASKS_LEAD, top=doc_tables.TASKS_LEAD_TOP) \
+        == doc_tables.TABLES["tasks_lead_table"]()
     pick = doc_tables.tasks_pick_text(doc_tables.TASKS_LEAD)
     assert m.group(1).endswith("\n\n" + pick)
     for raw in re.findall(r"`(\{[^`]*\})`", pick):
