@@ -74,7 +74,7 @@ POLICIES = ["expected_attention", "h2o", "keydiff", "knorm", "observed_attention
 LENGTHS = [1024, 2048]
 SMALL = dict(tasks=["niah_single_1"], lengths=[1024], policies=["h2o"], ratios=[0.25], limit=20)
 #: ``--heatmap``: the needle heatmap (accuracy by needle depth x context length) for the default
-#: policy (H2O) and the best one at 25 % in ``tasks_1k.json`` (TOVA)
+#: policy (H2O) and the best attention-based one at 25 % in a 1k run (TOVA)
 HEATMAP = dict(tasks=["niah_single_1"], lengths=[1024, 2048, 4096], policies=["h2o", "tova"], ratios=[0.25],
                limit=40)
 #: needle-depth bins of the heatmap (fractions of the prompt where the needle's value starts)

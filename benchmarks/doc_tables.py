@@ -579,9 +579,9 @@ def _short_refusal(text: str) -> str:
 
 #: the task-accuracy run README's "Results" leads with (``tasks_lead_table``); the full run, when
 #: committed, is ``"tasks.json"``
-TASKS_LEAD = "tasks_1k.json"
+TASKS_LEAD = "tasks.json"
 #: README's lead table: the best policies shown (the default policy too), the others in one line
-TASKS_LEAD_TOP = 4
+TASKS_LEAD_TOP = 3
 
 
 def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0.6) -> dict:
@@ -629,7 +629,7 @@ def _task_config(settings: dict, policy: str, ratio: float) -> str:
     return json.dumps(cfg, separators=(",", ":"))
 
 
-def tasks_pick_text(name: str = "tasks_1k.json", tol: float = 0.05, floor: float = 0.6) -> str:
+def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 0.6) -> str:
     """The recommendation of a ``bench_tasks.py`` run (:func:`recommend_task_config`), its rule
     stated, and each (task, length) the rule dropped with dense's accuracy."""
     d = _load(name)
@@ -647,22 +647,45 @@ def tasks_pick_text(name: str = "tasks_1k.json", tol: float = 0.05, floor: float
             + f": the smallest KV cache kept ({_pct(r['kv'])} of dense's) with {near}.\n")
 
 
-def tasks_table(name: str = "tasks_1k.json") -> str:
+def tasks_table(name: str = "tasks.json") -> str:
     """``bench_tasks.py``: per (task, length) and policy, accuracy (correct / n) at each budget ratio
-    of the prompt, and stock's with the full cache; then the recommendation (``tasks_pick_text``)."""
+    of the prompt, and stock's with the full cache (in the header where the run has one (task,
+    length)); then the recommendation (``tasks_pick_text``)."""
     d = _load(name)
     cells = d["cells"]
     ratios = sorted({c["budget_ratio"] for c in cells if c["budget_ratio"]})
-    rows = ["| task, length | policy | " + " | ".join(f"{r * 100:g} %" for r in ratios)
-            + " of the prompt | stock (full cache) |", "|---|---|" + "---|" * (len(ratios) + 1)]
-    for task, length in sorted({(c["task"], c["length"]) for c in cells}):
+    pairs = sorted({(c["task"], c["length"]) for c in cells})
+    one = len(pairs) == 1
+    if one:
+        (task, length), = pairs
+        stock = next(f"{c['correct']}/{c['n']}" for c in cells if c["arm"] == "stock")
+        rows = [f"| {task}, {length:,} tokens: policy | " + " | ".join(f"{r * 100:g} %" for r in ratios)
+                + f" of the prompt (stock, full cache: {stock}) |", "|---|" + "---|" * len(ratios)]
+    else:
+        rows = ["| task, length | policy | " + " | ".join(f"{r * 100:g} %" for r in ratios)
+                + " of the prompt | stock (full cache) |", "|---|---|" + "---|" * (len(ratios) + 1)]
+    for task, length in pairs:
         here = [c for c in cells if (c["task"], c["length"]) == (task, length)]
         stock = next(f"{c['correct']}/{c['n']}" for c in here if c["arm"] == "stock")
         for pol in dict.fromkeys(c["policy"] for c in here if c["policy"]):
             acc = {c["budget_ratio"]: f"{c['correct']}/{c['n']}" for c in here if c["policy"] == pol}
-            rows.append(f"| {task}, {length} | `{pol}` | " + " | ".join(acc.get(r, "-") for r in ratios)
-                        + f" | {stock} |")
+            cols = " | ".join(acc.get(r, "-") for r in ratios)
+            rows.append(f"| `{pol}` | {cols} |" if one else f"| {task}, {length} | `{pol}` | {cols} | {stock} |")
     return "\n".join(rows) + "\n\n" + tasks_pick_text(name)
+
+
+def tasks_dense_table(name: str = "tasks_dense.json") -> str:
+    """``bench_tasks.py --policies`` (stock alone): dense accuracy per task and length, and which
+    pairs the gate (``dense_gate``: accuracy under ``--dense-floor``) drops from the eviction arms."""
+    d = _load(name)
+    floor = d["dense_gate"]["floor"]
+    lengths = sorted({c["length"] for c in d["cells"]})
+    rows = ["| task | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for task in sorted({c["task"] for c in d["cells"]}):
+        acc = {c["length"]: c["accuracy"] for c in d["cells"] if c["task"] == task}
+        rows.append(f"| {task} | " + " | ".join(
+            "-" if n not in acc else _pct(acc[n]) + ("" if acc[n] >= floor else " (dropped)") for n in lengths) + " |")
+    return "\n".join(rows) + "\n"
 
 
 def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: str = "h2o") -> str:
@@ -706,8 +729,7 @@ def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: st
             row.append(f"**{v}**" if (pol, x) in r["picks"] else v)
         rows.append(f"| `{pol}` | " + " | ".join(row) + " | |")
     if rest:
-        rows.append(f"| {', '.join(f'`{p}`' for p in rest)} | [below](benchmarks/README.md#task-accuracy-ruler) |"
-                    + " |" * len(ratios))
+        rows.append(f"| {len(rest)} more | [below](benchmarks/README.md#task-accuracy-ruler) |" + " |" * len(ratios))
     return head + "\n\n" + "\n".join(rows) + "\n\n" + tasks_pick_text(name)
 
 
@@ -817,14 +839,18 @@ STEP_COST_RUNS = (("overhead_policies.json", "batch 8"), ("overhead_keyonly_b32.
 def step_cost_table(runs: tuple[tuple[str, str], ...] = STEP_COST_RUNS) -> str:
     """``bench_overhead.py`` runs side by side: per run and arm, the median decode step (ms) and
     its ratio to the same run's stock arm (median, min-max over the repetitions); the arm names
-    say the policy (``:sl16``: slack 16; the rest slack 0, budget 64, ``@worker``)."""
+    say the policy (``:sl16``: slack 16; the rest slack 0, budget 64; the run's ``evict-`` and
+    ``@worker`` left out; "old path": the deleted ``decide_on: scheduler`` default)."""
     rows = ["| run | arm | median step (ms) | vs stock: median (min-max) |", "|---|---|---|---|"]
     for name, label in runs:
         d = _load(name)
         for model, res in d["results"].items():
             for arm, r in res.items():
                 ratio = "1" if arm == "stock" else f"{r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
-                rows.append(f"| {label} | {arm} | {r['step_ms_median']:.1f} | {ratio} |")
+                name = arm.removeprefix("evict-")
+                name = name.removesuffix("@worker") if name.endswith("@worker") or name == "stock" else \
+                    f"{name} (old path)"
+                rows.append(f"| {label} | {name} | {r['step_ms_median']:.1f} | {ratio} |")
     return "\n".join(rows) + "\n"
 
 
@@ -844,8 +870,8 @@ TABLES = {"overhead_table": overhead_table,
           "sla_pick_table": sla_pick_table,
           "model_families_table": model_families_table,
           "model_families_readme_table": model_families_readme_table,
-          "tasks_table": lambda: tasks_table("tasks_1k.json"), "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD, top=TASKS_LEAD_TOP),
-          "tasks_full_table": lambda: tasks_table("tasks.json"),  # for benchmarks/README.md once tasks.json is in
+          "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD, top=TASKS_LEAD_TOP),
+          "tasks_full_table": lambda: tasks_table("tasks.json"),
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
           "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),
@@ -862,7 +888,8 @@ TABLES = {"overhead_table": overhead_table,
           "sla_512_snapkv_unloaded_table": lambda: sla_unloaded_table("sla_at_quality_512_snapkv.json"),
           "retained_blocks_table": retained_blocks_table,
           "preempt_table": preempt_table, "soak_rss_table": soak_rss_table,
-          "step_cost_table": step_cost_table, "engine_ops_table": engine_ops_table}
+          "step_cost_table": step_cost_table, "engine_ops_table": engine_ops_table,
+          "tasks_dense_table": tasks_dense_table}
 
 
 if __name__ == "__main__":

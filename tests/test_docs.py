@@ -402,7 +402,7 @@ def test_benchmarks_readme_tables_are_generated():
     names = re.findall(r"<!-- generated: benchmarks/doc_tables\.py (\w+) -->", text)
     assert {"retained_blocks_table", "concurrency_chunks_table", "quality_scale_table", "sla_at_quality_table",
             "sla_512_snapkv_table", "step_cost_table", "scheduler_table", "preempt_table",
-            "soak_rss_table", "tasks_table"} <= set(names)
+            "soak_rss_table", "tasks_full_table", "tasks_dense_table"} <= set(names)
     for name in names:
         assert _generated(text, f"benchmarks/doc_tables.py {name}") == doc_tables.TABLES[name](), name
 

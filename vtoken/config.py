@@ -157,31 +157,28 @@ class VTokenConfig(BaseModel):
         description="token sets per request. request: one set shared by every layer and KV head; layer: one per "
         "layer; head: one per (layer, KV head); head_shared: one per KV head, shared across layers. Every set "
         "keeps the same number of live tokens, so block tables and slot mappings stay shared. null: the policy's "
-        "own default (its paper's: h2o, scissorhands, knorm, keydiff, snapkv, expected_attention head; tova layer; random, "
-        "streaming request)",
+        "own default (its paper's, README's policy table)",
     )
     prefill_eviction: Optional[Literal["after", "chunks"]] = Field(
         None,
         description="when a long prompt is cut to the budget. after: at the first decode step, the whole prompt held "
         "until then; chunks: also during the prefill, at the prompt's eviction points (every prefill_eviction_every "
-        "tokens; vLLM's chunked prefill never schedules a chunk across one), so a request never holds more than "
+        "tokens), so a request never holds more than "
         "budget + slack + prefill_eviction_every + 1 tokens, and a prompt longer than the KV cache is served. Under "
-        "pacing pressure a request evicts at a point only when the pool is short, as in decode. null: chunks (measured: within 0.03 nats/token of after; docs/device-decisions.md, "
-        "\"Eviction between prefill chunks\")",
+        "pacing pressure a request evicts at a point only when the pool is short, as in decode. null: chunks (within 0.03 nats/token of after: docs/device-decisions.md)",
     )
     prefill_eviction_every: int = Field(
         2048, ge=1, strict=True,
         description="with prefill_eviction chunks: the prompt's eviction points, in tokens. A request evicts "
         "during its prefill only at logical positions that are multiples of this, and vLLM's chunked prefill never "
-        "schedules a chunk across one (a longer chunk is cut there). The points depend on the request alone, never "
-        "on --max-num-batched-tokens or on the other requests, so the same greedy request gives the same tokens at "
-        "any load. Smaller: less KV cache held during a long prefill, more (smaller) prefill steps",
+        "schedules a chunk across one (a longer chunk is cut there). The points depend on the request alone, so the same "
+        "greedy request gives the same tokens at any load. Smaller: less KV cache held during a long prefill, more (smaller) prefill steps",
     )
     protect_cached_prefix: bool = Field(
         False,
         description="with vLLM prefix caching on: true: never evict a request's full prompt blocks, so they are "
-        "never copied out of the cache and stay shared with every request that hits them (long prompts then keep "
-        "at least their full prompt blocks); false: a request's first eviction copies the cached blocks it may "
+        "never copied out of the cache and stay shared with every request that hits them"
+        "; false: a request's first eviction copies the cached blocks it may "
         "write (the cache keeps them for others). No effect with prefix caching off",
     )
 
@@ -190,11 +187,10 @@ class VTokenConfig(BaseModel):
         description="with vLLM prefix caching on, for a request that may evict and whose policy needs statistics of "
         "the prompt tokens a hit skips (h2o, snapkv, knorm and expected_attention): protect: it reads its hit and never evicts the hit's "
         "tokens (its tokens can then differ from a run without the cache); skip: it does not read the prefix "
-        "cache (vLLM's Request.skip_reading_prefix_cache): it computes its whole prompt, its tokens never depend "
+        "cache: it computes its whole prompt, its tokens never depend "
         "on the cache, and its blocks are still cached for other requests. Other requests read their hits and "
         "evict inside them exactly either way. Default skip: the same request gives the same tokens whatever the "
-        "cache holds (an n > 1 request's children equal each other and the request alone); protect trades that for "
-        "hits. No effect with prefix caching off (docs/configuration.md, \"Prefix caching\")",
+        "cache holds; protect trades that for hits. No effect with prefix caching off",
     )
 
     @model_validator(mode="before")
