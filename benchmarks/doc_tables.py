@@ -577,8 +577,7 @@ def _short_refusal(text: str) -> str:
     return re.split(r" \(|; ", inner, maxsplit=1)[0].rstrip(")")
 
 
-#: the task-accuracy run README's "Results" leads with (``tasks_lead_table``); the full run, when
-#: committed, is ``"tasks.json"``
+#: the task-accuracy run README's "Results" leads with (``tasks_lead_table``)
 TASKS_LEAD = "tasks.json"
 #: README's lead table: the best policies shown (the default policy too), the others in one line
 TASKS_LEAD_TOP = 3
