@@ -84,30 +84,65 @@ FULL_LIMIT = 50
 
 # ----------------------------------------------------------------------------- pure helpers (tested)
 def arm_list(policies: Iterable[str], ratios: Iterable[float], granularity: Optional[str] = None,
-             prefill_eviction: Optional[str] = "after") -> list[dict[str, Any]]:
-    """``stock`` first, then every policy at every ratio: ``{name, policy, budget_ratio, server, fields}``.
+             prefill_eviction: Optional[str] = "after",
+             variants: Iterable[tuple[str, list[str], dict[str, Any]]] = ()) -> list[dict[str, Any]]:
+    """``stock`` first, then every policy at every ratio, then every variant's policies at every
+    ratio: ``{name, policy, budget_ratio, server, fields}`` (a variant's arms also ``variant``).
 
-    ``server``: the ``vllm serve`` the arm runs against, one per engine-only setting (``stock``, or
-    ``vtoken-<prefill_eviction>``); ``fields``: the per-request fields the lm-eval model
-    ``vtoken-completions`` turns into each request's ``vllm_xargs`` (:func:`request_xargs`). Arms that
-    differ only in per-request fields (policy, budget, token sets) share their server."""
+    ``server``: the ``vllm serve`` the arm runs against, one per engine-only setting (``stock``,
+    ``vtoken-<prefill_eviction>``, or ``vtoken-<label>`` for a variant ``(label, policies, config)``,
+    whose ``config`` keys go into its server's ``vtoken`` config: :func:`server_configs`); ``fields``:
+    the per-request fields the lm-eval model ``vtoken-completions`` turns into each request's
+    ``vllm_xargs`` (:func:`request_xargs`). Arms that differ only in per-request fields (policy,
+    budget, token sets) share their server."""
     arms: list[dict[str, Any]] = [dict(name="stock", policy=None, budget_ratio=None, server="stock", fields={})]
-    for p in policies:
-        for r in ratios:
-            f: dict[str, Any] = {"policy": p, "budget_ratio": r}
-            if granularity:
-                f["granularity"] = granularity
-            arms.append(dict(name=f"{p}-{r * 100:g}pct", policy=p, budget_ratio=r,
-                             server=f"vtoken-{prefill_eviction or 'default'}", fields=f))
+    groups = [(None, list(policies), f"vtoken-{prefill_eviction or 'default'}")]
+    groups += [(label, list(pols), f"vtoken-{label}") for label, pols, _ in variants]
+    for label, pols, server in groups:
+        for p in pols:
+            for r in ratios:
+                f: dict[str, Any] = {"policy": p, "budget_ratio": r}
+                if granularity:
+                    f["granularity"] = granularity
+                arm = dict(name=f"{p}-{r * 100:g}pct" + (f"-{label}" if label else ""), policy=p, budget_ratio=r,
+                           server=server, fields=f)
+                if label:
+                    arm["variant"] = label
+                arms.append(arm)
     return arms
 
 
-def server_configs(arms: Iterable[dict[str, Any]], prefill_eviction: Optional[str] = "after"
+def parse_variant(spec: str) -> tuple[str, list[str], dict[str, Any]]:
+    """``--variant LABEL:POLICY[,POLICY...]:JSON`` -> ``(label, policies, config)``.
+
+    Raises:
+        ValueError: not three ``:``-separated parts, a label that is not ``[a-z0-9_]+``, no policy,
+            or JSON that is not an object.
+    """
+    parts = spec.split(":", 2)
+    if len(parts) != 3:
+        raise ValueError(f"--variant {spec!r}: expected LABEL:POLICY[,POLICY...]:JSON")
+    label, pols, cfg = parts
+    if not re.fullmatch(r"[a-z0-9_]+", label):
+        raise ValueError(f"--variant {spec!r}: label {label!r}; allowed: lower-case letters, digits, _")
+    policies = [p for p in pols.split(",") if p]
+    if not policies:
+        raise ValueError(f"--variant {spec!r}: no policy")
+    config = json.loads(cfg)
+    if not isinstance(config, dict):
+        raise ValueError(f"--variant {spec!r}: the config must be a JSON object")
+    return label, policies, config
+
+
+def server_configs(arms: Iterable[dict[str, Any]], prefill_eviction: Optional[str] = "after",
+                   variants: Iterable[tuple[str, list[str], dict[str, Any]]] = ()
                    ) -> dict[str, Optional[dict[str, Any]]]:
     """The ``--additional-config`` of each server the arms need (None: stock, no ``vtoken`` key).
 
-    A vToken server carries only the engine-only settings (``prefill_eviction``) and a policy for
-    requests without overrides (the first arm's); every arm's policy and budget come per request."""
+    A vToken server carries only the engine-only settings (``prefill_eviction``, and a variant's
+    config over it) and a policy for requests without overrides (the first arm's); every arm's
+    policy and budget come per request."""
+    extra = {f"vtoken-{label}": cfg for label, _, cfg in variants}
     out: dict[str, Optional[dict[str, Any]]] = {}
     for a in arms:
         if a["server"] in out:
@@ -118,6 +153,7 @@ def server_configs(arms: Iterable[dict[str, Any]], prefill_eviction: Optional[st
             vt: dict[str, Any] = {"policy": a["policy"]}
             if prefill_eviction:
                 vt["prefill_eviction"] = prefill_eviction
+            vt.update(extra.get(a["server"], {}))
             out[a["server"]] = {"vtoken": vt}
     return out
 
@@ -451,6 +487,7 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
     else:  # other cells shared the server meanwhile: what each request was sent to keep
         kv = shared_kv(sent, a.block_size)
     cell = dict(arm=arm["name"], policy=arm["policy"], budget_ratio=arm["budget_ratio"], server=arm["server"],
+                variant=arm.get("variant"),
                 budget_tokens=sent["mean_budget_tokens"], task=task, length=length, **acc,
                 lm_eval_accuracy=reported, kv=kv, xargs_sent=sent, alone_on_server=alone,
                 examples=[dict(answer=s[0][:200], refs=s[1]) for s in samples[:2]],
@@ -526,12 +563,13 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for ax, (task, length) in zip(axes.flat, panels):
         here = [c for c in cells if c["task"] == task and c["length"] == length]
         stock = [c for c in here if c["arm"] == "stock"]
-        for pol in sorted({c["policy"] for c in here if c["policy"]}):
-            pts = sorted((c["kv_kept_fraction"], c["accuracy"]) for c in here
-                         if c["policy"] == pol and c["kv_kept_fraction"] is not None)
+        lines = sorted({(c["policy"], c.get("variant") or "") for c in here if c["policy"]})
+        for pol, var in lines:
+            pts = sorted((c["kv_kept_fraction"], c["accuracy"]) for c in here if c["policy"] == pol
+                         and (c.get("variant") or "") == var and c["kv_kept_fraction"] is not None)
             pts += [(1.0, s["accuracy"]) for s in stock]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=pol)
+                ax.plot(*zip(*pts), marker="o", label=f"{pol} ({var})" if var else pol)
         for s in stock:
             ax.scatter([1.0], [s["accuracy"]], color="k", zorder=5, label="stock (full cache)")
         ax.set_title(f"{task}, {length} tokens", fontsize=9)
@@ -603,6 +641,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help=f"samples per cell (default {FULL_LIMIT}; --small 20)")
     ap.add_argument("--granularity", default=None, help="vToken token sets (default: each policy's own)")
     ap.add_argument("--prefill-eviction", default="after", choices=["after", "chunks"])
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:POLICIES:JSON",
+                    help="more arms on a server of their own: POLICIES (comma-separated) at every ratio, the server's "
+                         "vtoken config updated with JSON, e.g. 'request:h2o,snapkv:{\"granularity\": \"request\"}' "
+                         "(arms named POLICY-RATIOpct-LABEL); repeatable")
     ap.add_argument("--dense-floor", type=float, default=0.6,
                     help="run the stock cells first and the eviction arms only on the (task, length) pairs where "
                          "stock's accuracy reaches this fraction (0: every pair)")
@@ -650,7 +692,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from common import RESULTS, machine_info
     from drivers.launcher import start_server
 
-    arms = arm_list(a.policies, a.ratios, a.granularity, a.prefill_eviction)
+    try:
+        variants = [parse_variant(v) for v in a.variant]
+    except ValueError as e:
+        ap.error(str(e))
+    arms = arm_list(a.policies, a.ratios, a.granularity, a.prefill_eviction, variants)
     workdir = Path(tempfile.mkdtemp(prefix="bench_tasks_"))
     doc: dict[str, Any] = dict(
         bench="bench_tasks", small=a.small, command="python " + " ".join(["benchmarks/bench_tasks.py"] + argv),
@@ -658,13 +704,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         loadavg_before=list(os.getloadavg()),
         settings=dict(model=a.model, prefix_caching=False, tasks=a.tasks, lengths=a.lengths, limit=a.limit,
                       policies=a.policies, budget_ratios=a.ratios, granularity=a.granularity or "policy default",
-                      prefill_eviction=a.prefill_eviction, concurrency=a.concurrency, seed=a.seed,
+                      prefill_eviction=a.prefill_eviction,
+                      variants={label: dict(policies=p, config=c) for label, p, c in variants}, concurrency=a.concurrency, seed=a.seed,
                       dense_floor=a.dense_floor,
                       chat_template=True, greedy=True, parallel=a.parallel or "all cells",
                       lm_eval_model="vtoken-completions (local-completions + vllm_xargs per request)",
                       scorer="fraction of reference strings in the answer (RULER string_match_all)"),
         server=dict(args=server_args(a)), left_out=LEFT_OUT, arms=[], cells=[])
-    cfgs = server_configs(arms, a.prefill_eviction)
+    cfgs = server_configs(arms, a.prefill_eviction, variants)
     doc["servers"] = {}
     cells_todo = [(arm, task, length) for arm in arms for task in a.tasks for length in a.lengths]
     total = len(cells_todo)

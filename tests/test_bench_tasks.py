@@ -524,3 +524,19 @@ def test_full_run_defaults_cover_every_registered_policy_at_50_samples():
 
     assert bt.POLICIES == sorted(available_policies())
     assert bt.FULL_LIMIT == 50 and bt.RATIOS == [0.125, 0.25, 0.5] and bt.LENGTHS == [1024, 2048]
+
+
+def test_variants_get_a_server_each_with_their_config_over_the_shared_settings():
+    v = bt.parse_variant('chunks256:h2o,tova:{"prefill_eviction": "chunks", "prefill_eviction_every": 256}')
+    assert v == ("chunks256", ["h2o", "tova"], {"prefill_eviction": "chunks", "prefill_eviction_every": 256})
+    arms = bt.arm_list([], [0.25], variants=[v])
+    assert [(x["name"], x["server"], x.get("variant")) for x in arms] == [
+        ("stock", "stock", None), ("h2o-25pct-chunks256", "vtoken-chunks256", "chunks256"),
+        ("tova-25pct-chunks256", "vtoken-chunks256", "chunks256")]
+    cfgs = bt.server_configs(arms, "after", [v])
+    assert cfgs == {"stock": None, "vtoken-chunks256": {"vtoken": {
+        "policy": "h2o", "prefill_eviction": "chunks", "prefill_eviction_every": 256}}}
+    assert bt.effective_settings(cfgs["vtoken-chunks256"], "tova")["prefill_eviction"] == "chunks"
+    for bad in ("x:h2o", "X:h2o:{}", "x::{}", "x:h2o:[1]"):
+        with pytest.raises(ValueError):
+            bt.parse_variant(bad)
