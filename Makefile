@@ -122,9 +122,9 @@ bench-sla-512-snapkv: assets
 		--max-num-batched-tokens 256 --num-prompts 40 --rates 0.125 0.25 0.375 0.5 0.625 0.75 1 --search bisect \
 		--name sla_at_quality_512_snapkv
 
-# Task accuracy (RULER's synthetic tasks through lm-eval against `vllm serve`, offline): stock, then H2O, TOVA,
-# SnapKV and StreamingLLM at 12.5 / 25 / 50 % of the prompt, 1k and 2k tokens, 25 samples, prefix caching off;
-# benchmarks/results/tasks.json + .png. Installs the tasks extra (lm-eval) first. BENCH_TASKS_ARGS=--small: the smoke.
+# Task accuracy (RULER's synthetic tasks through lm-eval against `vllm serve`, offline): stock on the six tasks
+# at 1k tokens, then every policy at 12.5 / 25 / 50 % of the prompt where stock reaches 60 %, 50 samples a cell,
+# 4 cells at once, prefix caching off; benchmarks/results/tasks.json + .png. Installs the tasks extra (lm-eval) first. BENCH_TASKS_ARGS=--small: the smoke.
 BENCH_TASKS_ARGS ?=
 bench-tasks: assets
 	@# the extra reinstalls the project's dependencies, and with them PyPI's torchvision/torchcodec: removed again

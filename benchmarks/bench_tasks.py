@@ -27,9 +27,11 @@ task and length).
 Usage::
 
     .venv/bin/python benchmarks/bench_tasks.py --small      # stock + H2O 25 %, niah_single_1 at 1k, 20 samples
-    .venv/bin/python benchmarks/bench_tasks.py              # full: 6 tasks x {1k, 2k}: stock, then every policy x 3
+    .venv/bin/python benchmarks/bench_tasks.py              # full: 6 tasks at 1k: stock, then every policy x 3
                                                             # budgets where stock reaches 60 %; 50 samples a cell
     .venv/bin/python benchmarks/bench_tasks.py --tasks ruler_vt --lengths 1024 --policies h2o tova --limit 10
+    .venv/bin/python benchmarks/bench_tasks.py --policies --variant 'request:h2o,snapkv:{"granularity": "request"}'
+                                                            # stock, then H2O and SnapKV with request token sets
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ RATIOS = [0.125, 0.25, 0.5]
 #: the full run's policies: every built-in one (``vtoken.policies.available_policies``, sorted)
 POLICIES = ["expected_attention", "h2o", "keydiff", "knorm", "observed_attention", "random", "scissorhands",
             "snapkv", "streaming", "tova"]
-LENGTHS = [1024, 2048]
+#: the full run's context lengths: 1k only, so that stock on the six tasks and every policy at three
+#: budgets fit ``make bench-tasks``'s 90 minutes on two cores (2k and 4k: ``--lengths``, ``--heatmap``)
+LENGTHS = [1024]
 SMALL = dict(tasks=["niah_single_1"], lengths=[1024], policies=["h2o"], ratios=[0.25], limit=20)
 #: ``--heatmap``: the needle heatmap (accuracy by needle depth x context length) for the default
 #: policy (H2O) and the best attention-based one at 25 % in a 1k run (TOVA)
@@ -292,7 +296,7 @@ def dense_gate(stock_cells: Iterable[dict[str, Any]], floor: float) -> tuple[set
         if c["accuracy"] >= floor:
             keep.add(key)
         else:
-            dropped.append(dict(task=c["task"], length=int(c["length"]), accuracy=c["accuracy"], n=c["n"]))
+            dropped.append(dict(task=c["task"], length=int(c["length"]), accuracy=c["accuracy"], n=c.get("n")))
     return keep, sorted(dropped, key=lambda d: (d["task"], d["length"]))
 
 
@@ -361,17 +365,31 @@ def xargs_summary(lines: Iterable[str]) -> dict[str, Any]:
                 policies=sorted({r["vllm_xargs"]["vtoken_policy"] for r in rows if "vtoken_policy" in r["vllm_xargs"]}))
 
 
-def shared_kv(sent: dict[str, Any], block_size: int) -> dict[str, Any]:
+def shared_kv(sent: dict[str, Any], block_size: int, slack: int = 0) -> dict[str, Any]:
     """A cell's KV kept when other cells shared its server (so the server's ``/metrics`` deltas are
-    not its own), from what it sent (:func:`xargs_summary`): the mean ``vtoken_budget``, or without a
-    budget (stock) the mean prompt, which a request holds whole (its few generated tokens not
-    counted). The server's measured total over all its cells is checked in ``servers[].kv_check``."""
+    not its own), from what it sent (:func:`xargs_summary`): the mean ``vtoken_budget`` plus the
+    pacing ``slack`` (tokens a request holds over its budget before it evicts again: an upper
+    bound, reached when it generates that many; at most the prompt), or without a budget (stock)
+    the mean prompt, which a request holds whole (its few generated tokens not counted). The
+    server's measured total over all its cells is checked in ``servers[].kv_check``."""
     budget = sent["mean_budget_tokens"] is not None
-    kept = sent["mean_budget_tokens"] if budget else sent["mean_prompt_tokens"]
+    kept = min(sent["mean_budget_tokens"] + slack, sent["mean_prompt_tokens"]) if budget else sent["mean_prompt_tokens"]
     return dict(requests=sent["requests"], mean_prompt_tokens=sent["mean_prompt_tokens"], mean_kept_tokens=kept,
                 mean_kept_blocks=None if kept is None else kept / block_size, mean_peak_blocks=None,
-                source=("budget sent (vllm_xargs.vtoken_budget)" if budget else "prompt tokens sent (no budget)")
+                source=("budget sent (vllm_xargs.vtoken_budget)" + (f" + slack {slack}" if slack else "")
+                        if budget else "prompt tokens sent (no budget)")
                 + "; the server's /metrics total is checked in servers[].kv_check")
+
+
+def cell_slack(cell: dict[str, Any]) -> int:
+    """The pacing slack of a cell's requests in tokens: its recorded ``slack``, or where that is the
+    policy's per-request default (:data:`SLACK_PER_REQUEST`) the default at the cell's mean budget."""
+    slack = cell.get("slack")
+    if slack == SLACK_PER_REQUEST:
+        from vtoken.policies import get_policy_class
+
+        return int(get_policy_class(cell["policy"]).default_slack(round(cell["xargs_sent"]["mean_budget_tokens"])))
+    return int(slack or 0)
 
 
 def rederive(doc: dict[str, Any], block_size: int) -> dict[str, Any]:
@@ -379,7 +397,7 @@ def rederive(doc: dict[str, Any], block_size: int) -> dict[str, Any]:
     their server (:func:`shared_kv` of their ``xargs_sent``) and every ``kv_kept_fraction``."""
     for c in doc["cells"]:
         if not c.get("alone_on_server", True):
-            c["kv"] = shared_kv(c["xargs_sent"], block_size)
+            c["kv"] = shared_kv(c["xargs_sent"], block_size, cell_slack(c) if c.get("policy") else 0)
     add_kv_fractions(doc["cells"])
     return doc
 
@@ -472,6 +490,19 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
     (out_dir.parent / f"{out_dir.name}.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
         raise RuntimeError(f"lm_eval failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    kv = (dict(kv_kept(metric_delta(before, after, KV_METRICS), a.block_size), source="/metrics delta of the cell")
+          if alone else None)
+    return cell_from_files(a, arm, task, length, workdir, kv, wall, load_before, load_after,
+                           " ".join(shlex.quote(x) for x in argv))
+
+
+def cell_from_files(a: argparse.Namespace, arm: dict[str, Any], task: str, length: int, workdir: Path,
+                    kv: Optional[dict[str, Any]], wall: float, load_before: list, load_after: list,
+                    command: str) -> dict[str, Any]:
+    """A cell's record from what its lm-eval run left in ``workdir`` (samples, results, the
+    requests' ``vllm_xargs`` log); ``kv`` None: the cell shared its server (:func:`shared_kv`)."""
+    out_dir = workdir / f"{arm['name']}_{task}_{length}"
+    xlog = workdir / f"{arm['name']}_{task}_{length}.xargs.jsonl"
     sfiles = sorted(glob.glob(str(out_dir / "**" / f"samples_{task}_*.jsonl"), recursive=True))
     rfiles = sorted(glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True))
     if not sfiles:
@@ -482,21 +513,33 @@ def run_cell(a: argparse.Namespace, srv, arm: dict[str, Any], task: str, length:
     depths = sample_depths(lines)
     reported = lm_eval_reported(json.loads(Path(rfiles[-1]).read_text()), task, length) if rfiles else None
     sent = xargs_summary(xlog.read_text().splitlines() if xlog.exists() else [])
-    if alone:
-        kv = dict(kv_kept(metric_delta(before, after, KV_METRICS), a.block_size), source="/metrics delta of the cell")
-    else:  # other cells shared the server meanwhile: what each request was sent to keep
+    alone = kv is not None
+    if not alone:  # other cells shared the server meanwhile: what each request was sent to keep
         kv = shared_kv(sent, a.block_size)
     cell = dict(arm=arm["name"], policy=arm["policy"], budget_ratio=arm["budget_ratio"], server=arm["server"],
                 variant=arm.get("variant"),
                 budget_tokens=sent["mean_budget_tokens"], task=task, length=length, **acc,
                 lm_eval_accuracy=reported, kv=kv, xargs_sent=sent, alone_on_server=alone,
                 examples=[dict(answer=s[0][:200], refs=s[1]) for s in samples[:2]],
-                wall_s=wall, load_before=load_before, load_after=load_after,
-                command=" ".join(shlex.quote(x) for x in argv))
+                wall_s=wall, load_before=load_before, load_after=load_after, command=command)
     if any(d is not None for d in depths):
         cell["by_depth"] = by_depth(samples, depths)
     cell["_samples"] = samples
     return cell
+
+
+#: a cell's progress line as :func:`main` prints it (``--salvage`` reads wall time and load back)
+_CELL_LINE = re.compile(r"^\[\d+/\d+\]\s+(\S+) (\S+) (\d+): accuracy .*, ([\d.]+) s, load ([\d.]+)-([\d.]+)$")
+
+
+def salvage_lines(log: Iterable[str]) -> dict[tuple[str, str, int], tuple[float, float, float]]:
+    """``(arm, task, length) -> (wall s, load before, load after)`` from a run's printed cell lines."""
+    out = {}
+    for line in log:
+        m = _CELL_LINE.match(line.strip())
+        if m:
+            out[(m[1], m[2], int(m[3]))] = (float(m[4]), float(m[5]), float(m[6]))
+    return out
 
 
 def probe_overrides(srv, arm: dict[str, Any], prompt_tokens: int = 800, max_tokens: int = 4,
@@ -656,11 +699,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-bytes", type=int, default=512 << 20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cell-timeout", type=int, default=3600)
-    ap.add_argument("--parallel", type=int, default=0,
-                    help="cells (lm-eval runs) at once across the servers (default 0: all of them)")
+    ap.add_argument("--parallel", type=int, default=4,
+                    help="cells (lm-eval runs) at once across the servers (0: all of them; each is a process of "
+                         "about 1 GB beside the servers')")
     ap.add_argument("--compare-with", nargs="*", default=None,
                     help="work directories of earlier runs (one server per arm): answers compared sample by sample")
     ap.add_argument("--name", default=None, help="result name (default tasks; --small: tasks_smoke)")
+    ap.add_argument("--salvage", nargs=2, default=None, metavar=("WORKDIR", "LOG"),
+                    help="no run: rebuild the result of a run given these same options that died before writing it "
+                         "(a server killed): every cell from what its lm-eval run left in WORKDIR, its wall time and "
+                         "load from the run's printed LOG; the file says so")
     ap.add_argument("--rederive", default=None, metavar="NAME",
                     help="no run: recompute results/NAME.json's derived fields (KV kept of shared-server cells, "
                          "fractions) from its recorded ones, and redraw NAME.png")
@@ -713,6 +761,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         server=dict(args=server_args(a)), left_out=LEFT_OUT, arms=[], cells=[])
     cfgs = server_configs(arms, a.prefill_eviction, variants)
     doc["servers"] = {}
+    if a.salvage:
+        return salvage(a, doc, arms, cfgs, Path(a.salvage[0]), Path(a.salvage[1]))
     cells_todo = [(arm, task, length) for arm in arms for task in a.tasks for length in a.lengths]
     total = len(cells_todo)
     t_start = time.time()
@@ -816,6 +866,51 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} (n {c['n']}), KV kept "
               f"{c['kv_kept_fraction'] if c['kv_kept_fraction'] is None else round(c['kv_kept_fraction'], 3)}")
     print(f"wrote {out} and {out.with_suffix('.png')} ({doc['total_wall_s']} s; logs in {workdir})")
+    return 0
+
+
+def salvage(a: argparse.Namespace, doc: dict[str, Any], arms: list[dict[str, Any]],
+            cfgs: dict[str, Optional[dict[str, Any]]], workdir: Path, log: Path) -> int:
+    """``--salvage``: the result of a run that died before writing it, from its work directory and
+    printed log (cells whose lm-eval run left no samples are left out, and listed)."""
+    from common import RESULTS
+
+    got = salvage_lines(log.read_text().splitlines())
+    missing = []
+    doc.pop("loadavg_before", None)
+    doc["date"] = None
+    for arm in arms:
+        for task in a.tasks:
+            for length in a.lengths:
+                if not (workdir / f"{arm['name']}_{task}_{length}").exists():
+                    missing.append(f"{arm['name']} {task} {length}")
+                    continue
+                wall, lb, la = got.get((arm["name"], task, length), (None, None, None))
+                c = cell_from_files(a, arm, task, length, workdir, None, wall, [lb], [la],
+                                    "lm_eval run (the port of a server of the dead run): see its work directory")
+                c.pop("_samples")
+                eff = effective_settings(cfgs[c["server"]], c["policy"])
+                c.update(granularity=eff.get("granularity"), prefill_eviction=eff.get("prefill_eviction"),
+                         slack=eff.get("slack"))
+                doc["cells"].append(c)
+    doc["arms"] = [dict(x, server_config=cfgs[x["server"]]) for x in arms]
+    rederive(doc, a.block_size)
+    walls = [c["wall_s"] for c in doc["cells"] if c["wall_s"] is not None]
+    argv = sys.argv[1:]
+    i = argv.index("--salvage")
+    doc["command"] = "python " + shlex.join(["benchmarks/bench_tasks.py"] + argv[:i] + argv[i + 3:])  # the run's
+    doc["salvaged"] = dict(
+        why="the run died before writing its result (a server gone at its last step, e.g. its worker ended by "
+            "the kernel's OOM killer)",
+        command="python " + shlex.join(["benchmarks/bench_tasks.py"] + sys.argv[1:]), workdir=str(workdir),
+        log=str(log), cells_without_a_printed_line=[c["arm"] for c in doc["cells"] if c["wall_s"] is None],
+        cells_missing=missing, no_server_kv_check=True)
+    doc["total_wall_s"] = None
+    doc["cells_wall_s_sum"] = round(sum(walls), 1)
+    out = RESULTS / f"{a.name}.json"
+    out.write_text(json.dumps(doc, indent=1))
+    plot(doc, RESULTS / f"{a.name}.png")
+    print(f"salvaged {len(doc['cells'])} cells into {out} (missing: {missing or 'none'})")
     return 0
 
 

@@ -193,25 +193,6 @@ def scheduler_table(name: str = "bench_scheduler.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-def granularity_cost_table(name: str = "granularity_cost.json") -> str:
-    """``bench_granularity.py``: per policy and request count, the worker's decision ms per decode
-    step for each granularity (with the ratio to ``request``), and the side-cache bytes per KV slot
-    (share of SmolLM2's bf16 KV)."""
-    d = _load(name)
-    grans = ("request", "head_shared", "layer", "head")
-    mem = {(r["policy"], r["granularity"]): r for r in d["memory"]}
-    t = {(r["policy"], r["num_requests"], r["granularity"]): r for r in d["time"]}
-    rows = ["| policy | requests x live | " + " | ".join(f"{g} ({mem[('h2o', g)]['sets']} sets)" for g in grans) + " |",
-            "|---|---|" + "---|" * len(grans)]
-    for pol in dict.fromkeys(r["policy"] for r in d["time"]):
-        for R in sorted({r["num_requests"] for r in d["time"]}):
-            cells = [f"{t[(pol, R, g)]['median_ms']:.2f} ({t[(pol, R, g)]['ratio_to_request']:.1f}x)" for g in grans]
-            rows.append(f"| {pol} | {R} x {t[(pol, R, 'request')]['live'] + 1}, ms | " + " | ".join(cells) + " |")
-        rows.append(f"| {pol} | side cache, bytes per slot (% of KV) | " + " | ".join(
-            f"{mem[(pol, g)]['bytes_per_token']:,} ({mem[(pol, g)]['percent_of_kv']:.2f} %)" for g in grans) + " |")
-    return "\n".join(rows) + "\n"
-
-
 def quality_granularity_table(name: str = "quality_granularity.json") -> str:
     """``bench_quality.py --granularity``: per policy, budget and pacing, ΔNLL and next-token
     agreement for each granularity, and vToken's / Naive-Evict's retained blocks after the last step."""
@@ -581,6 +562,9 @@ def _short_refusal(text: str) -> str:
 TASKS_LEAD = "tasks.json"
 #: README's lead table: the best policies shown (the default policy too), the others in one line
 TASKS_LEAD_TOP = 3
+#: more bench_tasks runs whose eviction arms (``--variant``: other token sets, prefill eviction,
+#: slack) join TASKS_LEAD's in the recommendation; a file not there yet is skipped
+TASKS_EXTRA = ("tasks_arms.json",)
 
 
 def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0.6) -> dict:
@@ -591,16 +575,22 @@ def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0
     ``kv_kept_fraction`` of its cells, to the percent; the budget ratio where not measured), then
     the highest mean accuracy. Configs equal on both are all picked, in the cells' order.
 
+    A cell of a ``--variant`` arm is its own config, ``(policy, ratio, variant)``.
+
     Returns ``dict(kept=[(task, length, dense accuracy)], dropped=[...], picks=[(policy, ratio)],
     kv=the picks' KV kept or None, accuracy=the picks' mean accuracy or None)``; ``picks`` is
     empty when no config qualifies (or every (task, length) was dropped)."""
-    dense = {(c["task"], c["length"]): c["accuracy"] for c in cells if c["arm"] == "stock"}
-    kept = [(t, n, a) for (t, n), a in dense.items() if a >= floor]
-    dropped = [(t, n, a) for (t, n), a in dense.items() if a < floor]
+    from bench_tasks import dense_gate  # (the gate the run applied: one rule, in one place)
+
+    stock = [c for c in cells if c["arm"] == "stock"]
+    keep, gone = dense_gate(stock, floor)
+    kept = [(c["task"], c["length"], c["accuracy"]) for c in stock if (c["task"], int(c["length"])) in keep]
+    dropped = [(d["task"], d["length"], d["accuracy"]) for d in gone]
     by: dict[tuple, dict] = {}
     for c in cells:
         if c["policy"]:
-            by.setdefault((c["policy"], c["budget_ratio"]), {})[(c["task"], c["length"])] = c
+            cfg = (c["policy"], c["budget_ratio"]) + ((c["variant"],) if c.get("variant") else ())
+            by.setdefault(cfg, {})[(c["task"], c["length"])] = c
     ranked = []
     for cfg, here in by.items():
         cs = [here.get((t, n)) for t, n, _ in kept]
@@ -618,21 +608,43 @@ def _pct(x: float) -> str:
     return f"{x * 100:.0f} %"
 
 
-def _task_config(settings: dict, policy: str, ratio: float) -> str:
-    """A pick as the vToken config the run served it with (settings' prefill eviction and token sets)."""
+def _task_config(settings: dict, policy: str, ratio: float, variant: str | None = None) -> str:
+    """A pick as the vToken config the run served it with (settings' prefill eviction and token sets,
+    then the ``variant``'s config over them)."""
     cfg = {"policy": policy, "budget_ratio": ratio}
     if settings.get("prefill_eviction") not in (None, "chunks"):  # chunks: the default
         cfg["prefill_eviction"] = settings["prefill_eviction"]
     if settings.get("granularity") not in (None, "policy default"):
         cfg["granularity"] = settings["granularity"]
+    if variant:
+        cfg.update(settings["variants"][variant]["config"])
     return json.dumps(cfg, separators=(",", ":"))
 
 
-def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 0.6) -> str:
-    """The recommendation of a ``bench_tasks.py`` run (:func:`recommend_task_config`), its rule
-    stated, and each (task, length) the rule dropped with dense's accuracy."""
+def _task_cells(name: str, extra: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    """``name``'s run and its cells, then the cells of each run in ``extra`` that exists (their
+    stock cells only for a (task, length) no run before has: dense once per pair); each cell with
+    its run's ``settings`` under ``_settings``."""
     d = _load(name)
-    r = recommend_task_config(d["cells"], tol, floor)
+    cells = [dict(c, _settings=d["settings"]) for c in d["cells"]]
+    for e in extra:
+        try:
+            x = _load(e)
+        except FileNotFoundError:
+            continue
+        have = {(c["task"], c["length"]) for c in cells if c["arm"] == "stock"}
+        cells += [dict(c, _settings=x["settings"]) for c in x["cells"]
+                  if c["policy"] or (c["task"], c["length"]) not in have]
+    return d, cells
+
+
+def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 0.6,
+                    extra: tuple[str, ...] = ()) -> str:
+    """The recommendation of a ``bench_tasks.py`` run (:func:`recommend_task_config`) with the
+    eviction arms of the runs in ``extra`` (:func:`_task_cells`), its rule stated, and each (task,
+    length) the rule dropped with dense's accuracy."""
+    _, cells = _task_cells(name, extra)
+    r = recommend_task_config(cells, tol, floor)
     where = (lambda t, n, a: f"{t} at {n:,} tokens: {_pct(a)}") if len(r["kept"]) > 1 else (lambda t, n, a: _pct(a))
     near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
     if r["dropped"]:
@@ -640,16 +652,22 @@ def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 
             f"{t} at {n:,} tokens ({_pct(a)})" for t, n, a in r["dropped"])
     if not r["picks"]:
         return f"**No config recommended**: none has {near}.\n"
-    (pol, ratio), *rest = r["picks"]
-    return (f"**Recommended: `{_task_config(d['settings'], pol, ratio)}`**"
-            + "".join(f" (or `{p}`)" if q == ratio else f" (or `{p}` at {q * 100:g} %)" for p, q in rest)
+
+    def config(pick: tuple) -> str:
+        c = next(c for c in cells if c["policy"] == pick[0] and c["budget_ratio"] == pick[1]
+                 and c.get("variant") == (pick[2] if len(pick) > 2 else None))
+        return _task_config(c["_settings"], *pick)
+
+    first, *rest = r["picks"]
+    return (f"**Recommended: `{config(first)}`**"
+            + "".join(f" (or `{p[0]}`)" if p[1:] == first[1:] else f" (or `{config(p)}`)" for p in rest)
             + f": the smallest KV cache kept ({_pct(r['kv'])} of dense's) with {near}.\n")
 
 
 def tasks_table(name: str = "tasks.json") -> str:
     """``bench_tasks.py``: per (task, length) and policy, accuracy (correct / n) at each budget ratio
     of the prompt, and stock's with the full cache (in the header where the run has one (task,
-    length)); then the recommendation (``tasks_pick_text``)."""
+    length)). The recommendation is the arms table's (:func:`tasks_arms_table`), over both runs."""
     d = _load(name)
     cells = d["cells"]
     ratios = sorted({c["budget_ratio"] for c in cells if c["budget_ratio"]})
@@ -666,11 +684,40 @@ def tasks_table(name: str = "tasks.json") -> str:
     for task, length in pairs:
         here = [c for c in cells if (c["task"], c["length"]) == (task, length)]
         stock = next(f"{c['correct']}/{c['n']}" for c in here if c["arm"] == "stock")
-        for pol in dict.fromkeys(c["policy"] for c in here if c["policy"]):
-            acc = {c["budget_ratio"]: f"{c['correct']}/{c['n']}" for c in here if c["policy"] == pol}
+        for pol, var in dict.fromkeys((c["policy"], c.get("variant")) for c in here if c["policy"]):
+            acc = {c["budget_ratio"]: f"{c['correct']}/{c['n']}" for c in here
+                   if (c["policy"], c.get("variant")) == (pol, var)}
             cols = " | ".join(acc.get(r, "-") for r in ratios)
-            rows.append(f"| `{pol}` | {cols} |" if one else f"| {task}, {length} | `{pol}` | {cols} | {stock} |")
-    return "\n".join(rows) + "\n\n" + tasks_pick_text(name)
+            label = f"`{pol}`" + (f", `{json.dumps(d['settings']['variants'][var]['config'])}`" if var else "")
+            rows.append(f"| {label} | {cols} |" if one else f"| {task}, {length} | {label} | {cols} | {stock} |")
+    return "\n".join(rows) + "\n"
+
+
+def tasks_arms_table(name: str = "tasks_arms.json", base: str = "tasks.json") -> str:
+    """``bench_tasks.py --variant``: per variant (its label; its ``vtoken`` config over the shared
+    settings is in the run's command) and policy, accuracy (correct / n) at each budget ratio, beside the same policy and ratio in
+    ``base`` (the policy's defaults, prefill eviction ``after``) where ``base`` has the same task
+    and length; then the rule's pick over both runs' cells (:func:`tasks_pick_text`)."""
+    d = _load(name)
+    cells = [c for c in d["cells"] if c.get("variant")]
+    b = _load(base)["cells"]
+    ratios = sorted({c["budget_ratio"] for c in cells})
+    (task, length), = {(c["task"], c["length"]) for c in d["cells"]}
+    ref = {(c["policy"], c["budget_ratio"]): c for c in b if (c["task"], c["length"]) == (task, length)}
+    stock = next(f"{c['correct']}/{c['n']}" for c in d["cells"] if c["arm"] == "stock")
+    rows = [f"| {task}, {length:,} tokens (stock: {stock}): variant | policy | "
+            + " | ".join(f"{r * 100:g} %" for r in ratios) + " (default settings) |",
+            "|---|---|" + "---|" * len(ratios)]
+    for label, v in d["settings"]["variants"].items():
+        for pol in v["policies"]:
+            acc = []
+            for r in ratios:
+                c = next((c for c in cells if (c["variant"], c["policy"], c["budget_ratio"]) == (label, pol, r)), None)
+                old = ref.get((pol, r))
+                acc.append(("-" if c is None else f"{c['correct']}/{c['n']}")
+                           + ("" if old is None else f" ({old['correct']}/{old['n']})"))
+            rows.append(f"| {label} | `{pol}` | " + " | ".join(acc) + " |")
+    return "\n".join(rows) + "\n\n" + tasks_pick_text(base, extra=(name,))
 
 
 def tasks_dense_table(name: str = "tasks_dense.json") -> str:
@@ -687,30 +734,37 @@ def tasks_dense_table(name: str = "tasks_dense.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: str = "h2o") -> str:
+def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: str = "h2o",
+                     extra: tuple[str, ...] = ()) -> str:
     """README "Results", first: accuracy per policy (and stock) at each budget ratio on the
     (task, length) pairs the rule keeps, the run's task, length, samples, model, command and prefix
     caching, the recommended cells in bold, then ``tasks_pick_text``. ``top``: only the ``top``
     policies by mean accuracy over the ratios (ties in the run's order), and ``default`` (the
-    default policy) after them if it is not one, the others named in one line."""
-    d = _load(name)
+    default policy) after them if it is not one, the others named in one line. ``extra``: runs whose
+    eviction arms join the recommendation (:func:`tasks_pick_text`); a picked ``--variant`` arm gets
+    a row of its own (its config beside the policy)."""
+    d, every = _task_cells(name, extra)
     cells, st = d["cells"], d["settings"]
-    r = recommend_task_config(cells)
+    r = recommend_task_config(every)
     keep = [(t, n) for t, n, _ in r["kept"]] or sorted({(c["task"], c["length"]) for c in cells})
     here = [c for c in cells if (c["task"], c["length"]) in keep]
-    ns = sorted({c["n"] for c in here})
+    shown_cells = [c for c in every if (c["task"], c["length"]) in keep]
+    ns = sorted({c["n"] for c in shown_cells})
     ratios = sorted({c["budget_ratio"] for c in here if c["budget_ratio"]})
+    runs = [name] + [e for e in extra if (RESULTS / e).exists()]
+    src = (f"`{d['command']}`" if len(runs) == 1 else
+           "runs " + ", ".join(f"`{x}`" for x in runs) + ", commands in [benchmarks/README.md](benchmarks/README.md#task-accuracy-ruler)")
     head = (f"RULER {', '.join(f'{t} at {n:,} tokens' for t, n in keep)}, "
             f"{'-'.join(map(str, (ns[0], ns[-1]) if len(ns) > 1 else ns))} samples a cell, "
-            f"{Path(st['model']).name}, prefix caching {'on' if st.get('prefix_caching') else 'off'} "
-            f"(`{d['command']}`):")
+            f"{Path(st['model']).name}, prefix caching {'on' if st.get('prefix_caching') else 'off'} ({src}):")
 
-    def acc(cs: list[dict]) -> str:
-        return " / ".join(_pct(c["accuracy"]) for c in sorted(cs, key=lambda c: keep.index((c["task"], c["length"]))))
+    def acc(cs: list[dict]) -> str:  # one figure per kept (task, length), "-" where not run
+        by = {(c["task"], c["length"]): c for c in cs}
+        return " / ".join(_pct(by[k]["accuracy"]) if k in by else "-" for k in keep)
 
     rows = ["| accuracy, % of the prompt kept: | " + " | ".join(f"{x * 100:g} %" for x in ratios) + " | 100 % |",
             "|---|" + "---|" * (len(ratios) + 1),
-            "| stock vLLM (dense) |" + " |" * len(ratios) + f" {acc([c for c in here if c['arm'] == 'stock'])} |"]
+            "| stock vLLM (dense) |" + " |" * len(ratios) + f" {acc([c for c in shown_cells if c['arm'] == 'stock'])} |"]
     pols = list(dict.fromkeys(c["policy"] for c in here if c["policy"]))
     rest: list[str] = []
     if top is not None and len(pols) > top:
@@ -720,16 +774,19 @@ def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: st
         shown += [default] if default in pols and default not in shown else []
         rest = [p for p in pols if p not in shown]
         pols = shown
-    for pol in pols:
+    picked = list(dict.fromkeys((p[0], p[2]) for p in r["picks"] if len(p) > 2))
+    for pol, var in [(p, None) for p in pols] + picked:
         row = []
         for x in ratios:
-            cs = [c for c in here if (c["policy"], c["budget_ratio"]) == (pol, x)]
+            cs = [c for c in shown_cells if (c["policy"], c["budget_ratio"]) == (pol, x) and c.get("variant") == var]
             v = acc(cs) if cs else "-"
-            row.append(f"**{v}**" if (pol, x) in r["picks"] else v)
-        rows.append(f"| `{pol}` | " + " | ".join(row) + " | |")
+            row.append(f"**{v}**" if (pol, x) + ((var,) if var else ()) in r["picks"] else v)
+        label = f"`{pol}`" if var is None else \
+            f"`{pol}`, `{json.dumps(next(c for c in every if c.get('variant') == var)['_settings']['variants'][var]['config'])}`"
+        rows.append(f"| {label} | " + " | ".join(row) + " | |")
     if rest:
         rows.append(f"| {len(rest)} more | [below](benchmarks/README.md#task-accuracy-ruler) |" + " |" * len(ratios))
-    return head + "\n\n" + "\n".join(rows) + "\n\n" + tasks_pick_text(name)
+    return head + "\n\n" + "\n".join(rows) + "\n\n" + tasks_pick_text(name, extra=extra)
 
 
 def model_families_readme_table(name: str = "model_families.json") -> str:
@@ -858,7 +915,7 @@ TABLES = {"overhead_table": overhead_table,
           "sla_full_table": lambda: sla_table("sla.json"), "sla_full_unloaded_table": lambda: sla_unloaded_table("sla.json"),
           "sla_headline_table": sla_headline_table, "sla_k_grid_table": sla_k_grid_table,
           "sla_fine_table": sla_fine_table, "step_split_table": step_split_table,
-          "scheduler_table": scheduler_table, "worker_step_table": worker_step_table, "granularity_cost_table": granularity_cost_table,
+          "scheduler_table": scheduler_table, "worker_step_table": worker_step_table,
           "quality_granularity_table": quality_granularity_table,
           "overhead_policies_table": lambda: overhead_table("overhead_policies.json"),
           "overhead_keyonly_b32_table": lambda: overhead_table("overhead_keyonly_b32.json"),
@@ -869,7 +926,7 @@ TABLES = {"overhead_table": overhead_table,
           "sla_pick_table": sla_pick_table,
           "model_families_table": model_families_table,
           "model_families_readme_table": model_families_readme_table,
-          "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD, top=TASKS_LEAD_TOP),
+          "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD, top=TASKS_LEAD_TOP, extra=TASKS_EXTRA),
           "tasks_full_table": lambda: tasks_table("tasks.json"),
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
@@ -888,7 +945,8 @@ TABLES = {"overhead_table": overhead_table,
           "retained_blocks_table": retained_blocks_table,
           "preempt_table": preempt_table, "soak_rss_table": soak_rss_table,
           "step_cost_table": step_cost_table, "engine_ops_table": engine_ops_table,
-          "tasks_dense_table": tasks_dense_table}
+          "tasks_dense_table": tasks_dense_table,
+          "tasks_arms_table": tasks_arms_table}
 
 
 if __name__ == "__main__":

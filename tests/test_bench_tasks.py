@@ -320,7 +320,7 @@ def test_benchmarks_readme_one_server_smoke_equals_the_per_arm_servers():
     # every arm was sent one budget per request, and the server kept what the arms were sent
     per_request = chk["measured_kept_tokens_sum"] / chk["requests"]
     assert len(sent) == 1 and chk["requests"] == chk["requests_sent"] and 0 <= per_request - sent.pop() <= 2, chk
-    assert "`results/tasks_smoke_oneserver.json` (same scores and answers)" in " ".join(
+    assert "`results/tasks_smoke_oneserver.json`, same answers)" in " ".join(
         (ROOT / "benchmarks" / "README.md").read_text().split())
 
 
@@ -340,7 +340,7 @@ def test_benchmarks_readme_every_policy_table_is_the_result():
     loads = [x for c in d["cells"] for x in (c["load_before"][0], c["load_after"][0])]
     assert (f"`{d['command']}` -> `results/tasks.json`, plot `results/tasks.png`; {len(d['cells'])} cells on two "
             f"servers, {d['total_wall_s']:,.0f} s, load {min(loads):.1f}-{max(loads):.1f}") in flat
-    assert f"the 1k cells alone took {d['total_wall_s']:,.0f} s" in flat
+    assert f"the 31 of `tasks.json` took {d['total_wall_s']:,.0f} s" in flat and len(d["cells"]) == 31
     (stock,) = [c for c in d["cells"] if c["arm"] == "stock"]
     assert stock["accuracy"] == 1.0 and stock["n"] == 50
     assert sorted(c["policy"] for c in d["cells"] if c["policy"] and c["budget_ratio"] == 0.5) == bt.POLICIES
@@ -445,15 +445,19 @@ def test_readme_leads_with_the_task_table_and_its_recommendation():
     m = re.search(r"<!-- generated: benchmarks/doc_tables.py tasks_lead_table -->\n(.*?)<!-- end generated -->",
                   sec, re.S)
     assert m and sec.index("<!-- generated:") == m.start()
-    assert m.group(1) == doc_tables.tasks_lead_table(doc_tables.TASKS_LEAD, top=doc_tables.TASKS_LEAD_TOP) \
-        == doc_tables.TABLES["tasks_lead_table"]()
-    pick = doc_tables.tasks_pick_text(doc_tables.TASKS_LEAD)
+    assert m.group(1) == doc_tables.tasks_lead_table(doc_tables.TASKS_LEAD, top=doc_tables.TASKS_LEAD_TOP,
+                                                     extra=doc_tables.TASKS_EXTRA) == doc_tables.TABLES["tasks_lead_table"]()
+    pick = doc_tables.tasks_pick_text(doc_tables.TASKS_LEAD, extra=doc_tables.TASKS_EXTRA)
     assert m.group(1).endswith("\n\n" + pick)
     for raw in re.findall(r"`(\{[^`]*\})`", pick):
         parse_config(json.loads(raw))
-    d = json.loads((ROOT / "benchmarks" / "results" / doc_tables.TASKS_LEAD).read_text())
-    assert d["settings"]["prefix_caching"] is False and "prefix caching off" in m.group(1)
-    assert f"(`{d['command']}`)" in m.group(1)
+    # every run the table and the pick draw on is named, with prefix caching off, and its command
+    # is in benchmarks/README.md beside its own table
+    bench = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    for name in (doc_tables.TASKS_LEAD,) + doc_tables.TASKS_EXTRA:
+        d = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+        assert d["settings"]["prefix_caching"] is False and "prefix caching off" in m.group(1)
+        assert f"`{name}`" in m.group(1) and f"`{d['command']}` -> `results/{name}`" in bench, name
 
 
 def test_shared_kv_and_rederive():
@@ -468,6 +472,15 @@ def test_shared_kv_and_rederive():
                   kv=dict(mean_kept_tokens=111.0))]
     bt.rederive(dict(cells=cells), 32)
     assert [c["kv_kept_fraction"] for c in cells] == [1.0, 109.5 / 874.0, 111.0 / 874.0]
+    # pacing slack: held over the budget until the next eviction (an upper bound), never past the prompt
+    assert bt.shared_kv(sent, 32, slack=128)["mean_kept_tokens"] == 237.5
+    assert bt.shared_kv(sent, 32, slack=10_000)["mean_kept_tokens"] == 874.0
+    slack = [dict(arm="snapkv-12.5pct-p", policy="snapkv", task="t", length=1, alone_on_server=False,
+                  xargs_sent=sent, kv={}, slack=128),
+             dict(arm="scissorhands-12.5pct", policy="scissorhands", task="t", length=1, alone_on_server=False,
+                  xargs_sent=sent, kv={}, slack=bt.SLACK_PER_REQUEST)]  # its default: half its budget, 110 // 2
+    bt.rederive(dict(cells=cells[:1] + slack), 32)
+    assert [c["kv"]["mean_kept_tokens"] for c in slack] == [237.5, 109.5 + 55]
 
 
 def test_needle_depth_is_where_the_answer_sits_in_the_prompt():
@@ -523,7 +536,7 @@ def test_full_run_defaults_cover_every_registered_policy_at_50_samples():
     from vtoken.policies import available_policies
 
     assert bt.POLICIES == sorted(available_policies())
-    assert bt.FULL_LIMIT == 50 and bt.RATIOS == [0.125, 0.25, 0.5] and bt.LENGTHS == [1024, 2048]
+    assert bt.FULL_LIMIT == 50 and bt.RATIOS == [0.125, 0.25, 0.5] and bt.LENGTHS == [1024]
 
 
 def test_variants_get_a_server_each_with_their_config_over_the_shared_settings():
@@ -540,3 +553,32 @@ def test_variants_get_a_server_each_with_their_config_over_the_shared_settings()
     for bad in ("x:h2o", "X:h2o:{}", "x::{}", "x:h2o:[1]"):
         with pytest.raises(ValueError):
             bt.parse_variant(bad)
+
+
+def test_benchmarks_readme_arms_table_is_the_result():
+    """The other settings (``--variant``): the table is generated from its file, the run line is the
+    file's, and every cell ran with its variant's settings (as the engine resolves them,
+    ``effective_settings``)."""
+    import doc_tables
+
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    flat = " ".join(text.split())
+    for name, table in (("tasks_arms.json", "tasks_arms_table"),):
+        d = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+        m = re.search(rf"<!-- generated: benchmarks/doc_tables.py {table} -->\n(.*?)<!-- end generated -->", text, re.S)
+        assert m and m.group(1) == doc_tables.TABLES[table](), table
+        wall = d["total_wall_s"] or d["cells_wall_s_sum"]  # (a --salvage'd run records its cells' sum)
+        assert f"`{d['command']}` -> `results/{name}`" in flat and f"{wall:,.0f} s" in flat, name
+        (stock,) = [c for c in d["cells"] if c["arm"] == "stock"]
+        assert stock["n"] == 50 and d["settings"]["prefix_caching"] is False
+        for c in d["cells"]:
+            if c.get("variant"):
+                cfg = d["settings"]["variants"][c["variant"]]["config"]
+                assert c["policy"] in d["settings"]["variants"][c["variant"]]["policies"]
+                for k in ("granularity", "prefill_eviction", "slack"):
+                    if k in cfg:
+                        assert c[k] == cfg[k], (c["arm"], k)
+    arms = json.loads((ROOT / "benchmarks" / "results" / "tasks_arms.json").read_text())
+    assert {c["length"] for c in arms["cells"]} == {1024}
+    assert sum(1 for c in arms["cells"] if c.get("variant")) == 3 * sum(
+        len(v["policies"]) for v in arms["settings"]["variants"].values())

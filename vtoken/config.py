@@ -169,10 +169,9 @@ class VTokenConfig(BaseModel):
     )
     prefill_eviction_every: int = Field(
         2048, ge=1, strict=True,
-        description="with prefill_eviction chunks: the prompt's eviction points, in tokens. A request evicts "
-        "during its prefill only at logical positions that are multiples of this, and vLLM's chunked prefill never "
-        "schedules a chunk across one (a longer chunk is cut there). The points depend on the request alone, so the same "
-        "greedy request gives the same tokens at any load. Smaller: less KV cache held during a long prefill, more (smaller) prefill steps",
+        description="with prefill_eviction chunks: the prompt's eviction points, in tokens: a request evicts during "
+        "its prefill only at multiples of this, and no prefill chunk crosses one, so the same greedy request gives "
+        "the same tokens at any load. Smaller: less KV cache held during a long prefill, more prefill steps",
     )
     protect_cached_prefix: bool = Field(
         False,
@@ -184,13 +183,11 @@ class VTokenConfig(BaseModel):
 
     prefix_hits: Literal["protect", "skip"] = Field(
         "skip",
-        description="with vLLM prefix caching on, for a request that may evict and whose policy needs statistics of "
-        "the prompt tokens a hit skips (h2o, snapkv, knorm and expected_attention): protect: it reads its hit and never evicts the hit's "
-        "tokens (its tokens can then differ from a run without the cache); skip: it does not read the prefix "
-        "cache: it computes its whole prompt, its tokens never depend "
-        "on the cache, and its blocks are still cached for other requests. Other requests read their hits and "
-        "evict inside them exactly either way. Default skip: the same request gives the same tokens whatever the "
-        "cache holds; protect trades that for hits. No effect with prefix caching off",
+        description="with vLLM prefix caching on, a request that may evict and whose policy needs statistics of the "
+        "prompt tokens a hit skips (h2o, snapkv, knorm, expected_attention): protect: it reads its hit and never "
+        "evicts the hit's tokens (its tokens may then depend on the cache); skip: it computes its whole prompt, so "
+        "its tokens never depend on the cache (its blocks are still cached for others). Other requests read their "
+        "hits either way. No effect with prefix caching off",
     )
 
     @model_validator(mode="before")
@@ -546,6 +543,22 @@ class RequestPlan:
         """Tokens a ``chunks`` request may hold at most: the budget, the slack, the prompt tokens
         between two eviction points (it evicts only at the points) and the token sampled last."""
         return self.budget + self.slack + self.point_every + 1
+
+    def known_weaknesses(self) -> list[str]:
+        """Measured weaknesses of this plan's combination of settings, one sentence each (the
+        plugin logs them at start-up); empty when none is known.
+
+        SnapKV with ``prefill_eviction: chunks`` and per-head, per-layer or per-KV-head token sets:
+        its score sums the observation windows of every eviction point, so at the prompt's end a
+        set keeps the tokens earlier windows attended to over those the question attends to, and on
+        a needle task loses the needle (``benchmarks/README.md``, "Task accuracy"; the dense oracle
+        agrees, so this is the policy's rule, not the engine)."""
+        out = []
+        if self.policy.name == "snapkv" and self.chunks and self.granularity != "request":
+            out.append(f"policy snapkv with prefill_eviction chunks and granularity {self.granularity!r} loses "
+                       "what the prompt's last queries attend to (the needle task in benchmarks/README.md, 'Task "
+                       "accuracy'); prefill_eviction 'after' or granularity 'request' keep it")
+        return out
 
 
 def num_to_evict(num_live: int, budget: int, slack: int) -> int:

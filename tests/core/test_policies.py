@@ -450,3 +450,19 @@ def test_snapkv_window_is_the_last_queries():
     need = AttentionNeed.COL_SUM | AttentionNeed.LAST_ROW | AttentionNeed.WINDOW
     assert attention_stats([a], need, window=2).col_sum.tolist() == [0, 0, 1, 1, 0]
     assert attention_stats([a], AttentionNeed.COL_SUM).col_sum.tolist() == [1, 1, 1, 1, 0]
+
+
+def test_known_weaknesses_name_snapkv_with_chunks_and_per_set_scores_only():
+    """The start-up warning's rule (``RequestPlan.known_weaknesses``): SnapKV, prefill eviction in
+    chunks and token sets other than ``request``; nothing for any other combination."""
+    from vtoken.config import parse_config
+
+    def weak(**kw):
+        return parse_config(dict({"policy": "snapkv", "budget": 256}, **kw)).plan(1024).known_weaknesses()
+
+    (msg,) = weak(prefill_eviction="chunks")  # the policy's default sets: head
+    assert "snapkv" in msg and "'head'" in msg and "prefill_eviction 'after' or granularity 'request'" in msg
+    assert len(weak(prefill_eviction="chunks", granularity="layer")) == 1
+    assert len(weak()) == 1  # prefill_eviction's default is chunks
+    assert weak(prefill_eviction="after") == [] and weak(prefill_eviction="chunks", granularity="request") == []
+    assert parse_config({"policy": "tova", "prefill_eviction": "chunks"}).plan(1024).known_weaknesses() == []

@@ -141,7 +141,7 @@ class FaultHooks(harness.RunHooks):
             preemptions={ext: self.preempt.get(iid, 0) for ext, iid in ids.items()},
             phase_at_abort={k: v for k, v in self.phase_at_abort.items() if k in ids},
             stats_delta={k: stats1[k] - self.stats0[k] for k in stats1 if isinstance(stats1[k], (int, float))},
-            vt_states_left=len(sched._vt_states), vt_plans_left=len(sched._vt_plans) + len(sched._vt_may_evict),
+            vt_states_left=len(sched._vt_states), vt_plans_left=len(sched._vt_plans),
             requests_left=len(sched.requests),
         )
 

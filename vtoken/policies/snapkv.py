@@ -81,7 +81,10 @@ class SnapKVPolicy(EvictionPolicy):
       cut at its eviction points (``prefill_eviction_every``), the ``window`` queries before each
       point scoring it (the paper
       compresses the whole prompt once, from its last queries); with ``after`` the window is the
-      prompt's last queries, as in the paper.
+      prompt's last queries, as in the paper. The windows' scores add up, so with ``head`` or
+      ``layer`` sets a set may keep what the earlier windows attended to over what the question
+      does: on the needle task it then loses the needle, where ``after`` or ``request`` sets keep it
+      (``benchmarks/README.md``, "Task accuracy"; ``RequestPlan.known_weaknesses`` warns at start-up).
     * With ``granularity`` other than ``head`` a set scores the mean over its heads.
     * Ties go to the smaller logical position (evicted first).
     """

@@ -127,6 +127,8 @@ def _wrap_create_engine_config() -> None:
             plan.granularity + ("" if cfg.granularity else " (the policy's default)"),
             plan.prefill_eviction + ("" if cfg.prefill_eviction else " (the default)"),
         )
+        for w in plan.known_weaknesses():
+            logger.warning("vToken: %s", w)
         return vcfg
 
     create_engine_config._vtoken_wrapped = True

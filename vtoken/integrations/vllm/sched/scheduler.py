@@ -109,10 +109,9 @@ class VTokenSchedulerMixin:
         #: prefix caching: tail blocks vToken returned to the pool in this schedule() (this step's
         #: moves may still read them, so a copy of a cached block never goes to one)
         self._vt_released_now: list = []
-        #: each request's plan (its config resolved once when it arrives; None: no eviction)
-        self._vt_plans: dict[str, Optional[RequestPlan]] = {}
-        #: the requests whose plan may evict (``RequestPlan.may_evict``, computed once when they arrive)
-        self._vt_may_evict: set[str] = set()
+        #: each request's plan (its config resolved once when it arrives; None: no eviction) and
+        #: whether it may evict (``RequestPlan.may_evict``, computed then too)
+        self._vt_plans: dict[str, tuple[Optional[RequestPlan], bool]] = {}
         #: prefill_eviction chunks, a request that may evict: req_id -> prefill_eviction_every
         #: (its eviction points; vLLM's chunks are cut there: _reserve_prefill_lookahead)
         self._vt_points: dict[str, int] = {}
@@ -171,10 +170,8 @@ class VTokenSchedulerMixin:
             except ValueError as e:  # the front end and the start-up check validate first
                 logger.error("vToken: request %s: %s; eviction off for this request", request.request_id, e)
                 self.vt_stats.request_faults += 1
-        self._vt_plans[request.request_id] = plan
         may_evict = plan is not None and plan.may_evict(request.num_prompt_tokens, self._vt_max_tokens(request))
-        if may_evict:
-            self._vt_may_evict.add(request.request_id)
+        self._vt_plans[request.request_id] = (plan, may_evict)
         if (may_evict and self._vt_caching and plan.prefix_hits == "skip" and not request.skip_reading_prefix_cache
                 and plan.policy.prompt_statistics):
             # A hit would be kept (protected, _vt_state), so the request's tokens would depend on
@@ -211,7 +208,7 @@ class VTokenSchedulerMixin:
         st = self._vt_states.get(rid)
         if st is not None:
             return st
-        plan = self._vt_plans.get(rid)
+        plan, may_evict = self._vt_plans.get(rid, (None, False))
         if plan is None:
             return None
         prompt_len = request.num_prompt_tokens
@@ -219,7 +216,7 @@ class VTokenSchedulerMixin:
         # the counts and per-step fields in a row of self._vt_cols
         st = CountState(plan=plan, budget=plan.budget, slack=plan.slack, prompt_len=prompt_len,
                         cols=self._vt_cols, block_size=self._vt_bs)
-        st.may_evict = rid in self._vt_may_evict
+        st.may_evict = may_evict
         st.chunk_evict = plan.chunks
         st.point_every = plan.point_every
         st.score_need = pol.needs.value
@@ -568,7 +565,7 @@ class VTokenSchedulerMixin:
         tokens itself instead, exactly as if it had come alone."""
         hit = super()._get_local_prefix_cache_hit(request, *args, **kwargs)  # (0.33: max_cache_hit_length)
         now = self._vt_accounting.cached_now
-        if not now or not hit[1] or self._vt_plans.get(request.request_id) is None:
+        if not now or not hit[1] or self._vt_plans.get(request.request_id, (None,))[0] is None:
             return hit
         blocks, num_local, boundary, diverged = hit
         first = blocks.blocks[0]
@@ -1057,7 +1054,6 @@ class VTokenSchedulerMixin:
                 st.detach()  # its figures stay readable; the row is reused
         if request.is_finished():
             self._vt_plans.pop(rid, None)
-            self._vt_may_evict.discard(rid)
             self._vt_points.pop(rid, None)
             self._vt_accounting.cache_cap.pop(rid, None)
             self._vt_accounting.admission_cap.pop(rid, None)
