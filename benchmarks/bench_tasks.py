@@ -184,6 +184,14 @@ def effective_settings(server_config: Optional[dict[str, Any]], policy: Optional
                 slack=plan.slack if fixed else SLACK_PER_REQUEST)
 
 
+def settle(cell: dict[str, Any], cfgs: dict[str, Optional[dict[str, Any]]]) -> None:
+    """Record on a cell what vToken applied to its requests (:func:`effective_settings` on its
+    server's config): ``granularity``, ``prefill_eviction``, ``slack`` (None for stock)."""
+    eff = effective_settings(cfgs[cell["server"]], cell["policy"])
+    cell.update(granularity=eff.get("granularity"), prefill_eviction=eff.get("prefill_eviction"),
+                slack=eff.get("slack"))
+
+
 def request_xargs(prompt_ids: Any, policy: Optional[str] = None, budget_ratio: Optional[float] = None,
                   budget: Optional[int] = None, granularity: Optional[str] = None,
                   enable: Optional[bool] = None) -> dict[str, Any]:
@@ -808,9 +816,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 futs = [ex.submit(one, it) for it in items]
                 for f in as_completed(futs):
                     c = f.result()
-                    eff = effective_settings(cfgs[c["server"]], c["policy"])
-                    c.update(granularity=eff.get("granularity"), prefill_eviction=eff.get("prefill_eviction"),
-                             slack=eff.get("slack"))
+                    settle(c, cfgs)
                     with done_lock:
                         k += 1
                         doc["cells"].append(c)
@@ -889,9 +895,7 @@ def salvage(a: argparse.Namespace, doc: dict[str, Any], arms: list[dict[str, Any
                 c = cell_from_files(a, arm, task, length, workdir, None, wall, [lb], [la],
                                     "lm_eval run (the port of a server of the dead run): see its work directory")
                 c.pop("_samples")
-                eff = effective_settings(cfgs[c["server"]], c["policy"])
-                c.update(granularity=eff.get("granularity"), prefill_eviction=eff.get("prefill_eviction"),
-                         slack=eff.get("slack"))
+                settle(c, cfgs)
                 doc["cells"].append(c)
     doc["arms"] = [dict(x, server_config=cfgs[x["server"]]) for x in arms]
     rederive(doc, a.block_size)

@@ -546,20 +546,9 @@ class RequestPlan:
 
     def known_weaknesses(self) -> list[str]:
         """Measured weaknesses of this plan's combination of settings, one sentence each (the
-        plugin logs them at start-up); empty when none is known.
-
-        SnapKV with ``prefill_eviction: chunks`` and per-head, per-layer or per-KV-head token sets:
-        its score sums the observation windows of every eviction point, so at the prompt's end a
-        set keeps the tokens earlier windows attended to over those the question attends to, and on
-        a needle task loses the needle (``benchmarks/README.md``, "Task accuracy"; the dense oracle
-        agrees, so this is the policy's rule, not the engine)."""
-        out = []
-        if self.policy.name == "snapkv" and self.chunks and self.granularity != "request":
-            out.append(f"policy snapkv with prefill_eviction chunks and granularity {self.granularity!r} loses "
-                       "what the prompt's last queries attend to (the needle task in benchmarks/README.md, 'Task "
-                       "accuracy'); prefill_eviction 'after' or granularity 'request' keep it")
-        return out
-
+        plugin logs them at start-up; the policy's :meth:`~vtoken.policies.base.EvictionPolicy.known_weaknesses`);
+        empty when none is known."""
+        return type(self.policy).known_weaknesses(self.granularity, self.prefill_eviction)
 
 def num_to_evict(num_live: int, budget: int, slack: int) -> int:
     """Pacing: how many tokens to evict now.

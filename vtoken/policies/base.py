@@ -149,6 +149,13 @@ class EvictionPolicy(ABC):
         return 0
 
     @classmethod
+    def known_weaknesses(cls, granularity: str, prefill_eviction: str) -> list[str]:
+        """Measured weaknesses of this policy with these token sets and prefill eviction, one
+        sentence each (``RequestPlan.known_weaknesses``; the plugin logs them at start-up).
+        Default: none."""
+        return []
+
+    @classmethod
     def default_args(cls, budget: int) -> dict[str, Any]:
         """Policy-specific arguments (dataclass fields) that depend on the budget, used where
         ``policy_args`` leaves them unset (:meth:`vtoken.config.VTokenConfig.make_policy`).

@@ -84,7 +84,7 @@ class SnapKVPolicy(EvictionPolicy):
       prompt's last queries, as in the paper. The windows' scores add up, so with ``head`` or
       ``layer`` sets a set may keep what the earlier windows attended to over what the question
       does: on the needle task it then loses the needle, where ``after`` or ``request`` sets keep it
-      (``benchmarks/README.md``, "Task accuracy"; ``RequestPlan.known_weaknesses`` warns at start-up).
+      (``benchmarks/README.md``, "Task accuracy"; :meth:`known_weaknesses` warns at start-up).
     * With ``granularity`` other than ``head`` a set scores the mean over its heads.
     * Ties go to the smaller logical position (evicted first).
     """
@@ -122,6 +122,18 @@ class SnapKVPolicy(EvictionPolicy):
     @classmethod
     def default_recent_tokens(cls, budget: int) -> int:
         return cls.default_window(budget)
+
+    @classmethod
+    def known_weaknesses(cls, granularity: str, prefill_eviction: str) -> list[str]:
+        """With ``chunks`` and sets other than ``request`` the windows' scores add up, so a set keeps
+        what earlier windows attended to over what the question does: on the needle task it loses
+        the needle (``benchmarks/README.md``, "Task accuracy"; the dense oracle agrees, so this is
+        the rule, not the engine)."""
+        if prefill_eviction == "chunks" and granularity != "request":
+            return [f"policy snapkv with prefill_eviction chunks and granularity {granularity!r} loses what the "
+                    "prompt's last queries attend to (the needle task in benchmarks/README.md, 'Task accuracy'); "
+                    "prefill_eviction 'after' or granularity 'request' keep it"]
+        return []
 
     def keeps_hit(self, prompt_len: int, hit: int) -> bool:
         """The observation window is the prompt's last ``window`` queries: when the part after
