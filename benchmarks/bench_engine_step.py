@@ -31,7 +31,7 @@ package first on ``PYTHONPATH``, in the same alternation.
 
 ``--profile`` adds one more run of each arm per repetition under ``cProfile`` (the steps after the
 first decode step): the functions ranked by own time and by cumulative time, and the vToken
-functions by cumulative time.
+functions by cumulative time (``VT_PROF_DUMP=PATH``: also the raw stats, ``PATH.<pid>``, for ``pstats``).
 
 Writes ``benchmarks/results/<name>.json``.
 
@@ -156,6 +156,8 @@ class StepHooks(RunHooks):
         out["vtoken_package"] = str(Path(vtoken.__file__).parent)
         if self.prof is not None:
             out["profile"] = profile_summary(self.prof)
+            if os.environ.get("VT_PROF_DUMP"):
+                self.prof.dump_stats(os.environ["VT_PROF_DUMP"] + f".{os.getpid()}")
 
 
 class ProfileHooks(StepHooks):

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-if str(RESULTS.parent) not in sys.path:  # (bench_tasks beside it, when loaded by path as the tests do)
-    sys.path.insert(0, str(RESULTS.parent))
 
 
 def _load(name: str) -> dict:
@@ -583,6 +581,8 @@ def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0
     Returns ``dict(kept=[(task, length, dense accuracy)], dropped=[...], picks=[(policy, ratio)],
     kv=the picks' KV kept or None, accuracy=the picks' mean accuracy or None)``; ``picks`` is
     empty when no config qualifies (or every (task, length) was dropped)."""
+    if str(RESULTS.parent) not in sys.path:  # (bench_tasks beside this file, also when it was loaded by path)
+        sys.path.append(str(RESULTS.parent))
     from bench_tasks import dense_gate  # (the gate the run applied: one rule, in one place)
 
     stock = [c for c in cells if c["arm"] == "stock"]

@@ -165,7 +165,7 @@ class VTokenConfig(BaseModel):
         "until then; chunks: also during the prefill, at the prompt's eviction points (every prefill_eviction_every "
         "tokens), so a request never holds more than "
         "budget + slack + prefill_eviction_every + 1 tokens, and a prompt longer than the KV cache is served. Under "
-        "pacing pressure a request evicts at a point only when the pool is short, as in decode. null: chunks (within 0.03 nats/token of after: docs/device-decisions.md)",
+        "pacing pressure a request evicts at a point only when the pool is short, as in decode. null: chunks (within 0.03 nats/token of after: docs/eviction.md)",
     )
     prefill_eviction_every: int = Field(
         2048, ge=1, strict=True,
@@ -203,7 +203,7 @@ class VTokenConfig(BaseModel):
                         else "not a value decide_on ever had; the option was removed")
                 raise ValueError(
                     f"vtoken.decide_on = {v!r}: {what}; vToken has one eviction path (the scheduler counts how "
-                    "many tokens each request evicts, the worker picks which: docs/device-decisions.md); "
+                    "many tokens each request evicts, the worker picks which: docs/eviction.md); "
                     "allowed: leave decide_on out (or 'worker', deprecated)")
             _deprecation("vtoken.decide_on = 'worker' is deprecated and has no effect: it is the only eviction "
                          "path now; remove the key")

@@ -1,6 +1,6 @@
 """The scheduler's counts: what it needs to say "how many" without seeing a token.
 
-The scheduler (``docs/device-decisions.md``) never sees a token's
+The scheduler (``docs/eviction.md``) never sees a token's
 score or logical position. Per request and step it works from integers only:
 
 * :func:`num_to_evict` (``vtoken.config``) or pressure pacing (``vtoken.pacing``) asks for

@@ -1,7 +1,7 @@
 """Batched victim selection and repack planning: torch ops for every evicting request at once.
 
 The worker-side half of "the scheduler says how many, the worker says which" (issue 22,
-``docs/device-decisions.md``): given each request's keep-scores, logical positions and the number
+``docs/eviction.md``): given each request's keep-scores, logical positions and the number
 of tokens ``k`` to evict, :func:`select_victims` picks the victims of every request in one
 batch, and :func:`plan_moves` plans the repack (holes below the new live count <- live tail
 tokens) for all of them. Both are plain torch tensor code: the same call runs on CPU and CUDA

@@ -1,7 +1,7 @@
 """The side cache and the batched decisions on it: the engine-independent half of the worker's eviction step
 (per-slot logical positions, i.e. the token table, and policy state, paged like the KV cache).
 
-"The scheduler says how many, the worker says which" (``docs/device-decisions.md``). The
+"The scheduler says how many, the worker says which" (``docs/eviction.md``). The
 scheduler computes, from integers only, how many tokens ``k`` each request evicts in a step;
 this module, on the worker, before the step's forward and any KV write:
 

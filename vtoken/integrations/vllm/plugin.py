@@ -106,7 +106,7 @@ def _wrap_create_engine_config() -> None:
         worker_cls = platforms.check_platform(vcfg, current_platform)
         if vcfg.scheduler_config.scheduler_cls is not None:
             refusals.refuse("scheduler_cls", vcfg.scheduler_config.scheduler_cls)
-        _check_worker_decisions(cfg, vcfg, worker_cls)
+        _refuse_unsupported(cfg, vcfg, worker_cls)
         is_async = bool(vcfg.scheduler_config.async_scheduling)
         vcfg.scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = worker_cls
@@ -135,8 +135,8 @@ def _wrap_create_engine_config() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
-def _check_worker_decisions(cfg, vcfg, worker_cls: str) -> None:
-    """What the worker's decisions do not cover yet is refused, by name (refusals.py). CUDA has
+def _refuse_unsupported(cfg, vcfg, worker_cls: str) -> None:
+    """What vToken cannot do yet on this platform and model is refused, by name (refusals.py). CUDA has
     not been validated on a GPU yet: it starts only with ``VTOKEN_UNVALIDATED_PLATFORM=1``."""
     if worker_cls == platforms.CUDA_WORKER_CLS:
         if os.environ.get(UNVALIDATED_ENV, "0") in ("", "0"):

@@ -1,7 +1,7 @@
 """The scheduler's per-request integers in one numpy array, a row per request.
 
 The scheduler works from a few integers per request and step
-(``docs/device-decisions.md``). Kept as attributes of one Python object per request, every step
+(``docs/eviction.md``). Kept as attributes of one Python object per request, every step
 walks a dozen objects per request (state, token table, log list, boxed ints) that the stock
 ``schedule()`` between two visits pushes out of the CPU caches. :class:`CountColumns` keeps them
 in one int64 array ``data[column, row]`` instead, so the per-step passes

@@ -5,7 +5,7 @@
 (``AsyncScheduler``, async scheduling with a batch queue of 2); patches/ entries
 ``vllm.v1.core.sched.scheduler.Scheduler`` and ``vllm.v1.core.sched.async_scheduler.AsyncScheduler``.
 
-One eviction path (``docs/device-decisions.md``): the scheduler decides **how many**, the worker
+One eviction path (``docs/eviction.md``): the scheduler decides **how many**, the worker
 decides **which**. Per step, before the stock ``schedule()``, for each running request past its
 prefill (or, with ``prefill_eviction: chunks``, between two chunks of its prompt): ``k`` from
 fixed pacing (``live > budget + slack``: down to the budget) or the pressure plan, capped at the

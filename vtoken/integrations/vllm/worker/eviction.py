@@ -1,4 +1,4 @@
-"""The worker's eviction step: it picks the victims (``docs/device-decisions.md``).
+"""The worker's eviction step: it picks the victims (``docs/eviction.md``).
 
 The scheduler sends, per step, how many tokens each request evicts (``StepPayload.evict``)
 and, when it makes a request's state, the request's policy and protections
@@ -77,7 +77,7 @@ def num_sets(granularity: str, num_layers: int, num_kv_heads: int) -> int:
 def reserve_side_cache(vtoken_cfg: Optional[dict], kv_bytes_per_token: int, num_layers: int, num_kv_heads: int,
                        available: int, blocks_override: Optional[int] = None) -> int:
     """The KV cache's share of ``available`` bytes once the side cache of the engine's policy is
-    counted against it (``docs/device-decisions.md``, "Memory").
+    counted against it (``docs/eviction.md``, "Memory").
 
     The side cache shadows every KV slot (``WorkerEviction``), so with ``s`` side-cache bytes
     and ``kv`` K/V bytes per token, ``available`` holds ``available / (kv + s)`` tokens of both:

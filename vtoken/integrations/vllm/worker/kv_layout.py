@@ -449,6 +449,13 @@ class CPULayerStack:
         if src.numel() == 0:
             return
         bs = self.block_size
+        if self.views is not None:  # affine packing: whole (token, head) rows of the [L, nb, H, B, hd] views
+            sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+            at_l = slice(None) if layers is None else layers
+            at_h = slice(None) if heads is None else heads
+            for v in self.views:  # K, then V (disjoint regions): each read whole before its write
+                v[at_l, db, at_h, do] = v[at_l, sb, at_h, so]
+            return
         lp = (self.layer_off[layers][None, :, None] if layers is not None
               else self.layer_off[:, None, None])  # [A, M | 1, 1]
         hp = (heads * self.s1)[None, :, None] if heads is not None else (

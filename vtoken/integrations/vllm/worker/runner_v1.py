@@ -26,6 +26,9 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vtoken.integrations.vllm.worker.kv_layout import KVLayout, cpu_kv_layout
 from vtoken.integrations.vllm.worker.step import WorkerStep
 
+#: torch -> numpy integer dtypes of the runner's host tensors (:meth:`VTokenV1Adapter._vt_physical_inputs`)
+_NP = {torch.int32: np.int32, torch.int64: np.int64}
+
 __all__ = ["VTokenV1Adapter", "VTokenCPUModelRunner", "cpu_layout_for"]
 
 
@@ -94,11 +97,12 @@ class VTokenV1Adapter:
 
     def _vt_physical_inputs(self, off: np.ndarray, num_reqs: int, T: int, num_scheduled_tokens: np.ndarray) -> None:
         """``seq_lens`` / ``optimistic_seq_lens_cpu`` minus the offsets, slot mapping from ``position - offset``."""
-        off_t = torch.from_numpy(off)
-        self.seq_lens[:num_reqs] -= off_t.to(self.seq_lens.dtype)
-        self.optimistic_seq_lens_cpu[:num_reqs] -= off_t.to(self.optimistic_seq_lens_cpu.dtype)
-        per_tok = torch.from_numpy(np.repeat(off, num_scheduled_tokens[:num_reqs]))
-        phys = self.positions[:T] - per_tok.to(self.positions.dtype)
+        # (host arrays converted on the host, in-place sub_ on the slices: few torch ops per step)
+        self.seq_lens[:num_reqs].sub_(torch.from_numpy(off.astype(_NP[self.seq_lens.dtype], copy=False)))
+        self.optimistic_seq_lens_cpu[:num_reqs].sub_(
+            torch.from_numpy(off.astype(_NP[self.optimistic_seq_lens_cpu.dtype], copy=False)))
+        per_tok = np.repeat(off.astype(_NP[self.positions.dtype], copy=False), num_scheduled_tokens[:num_reqs])
+        phys = self.positions[:T] - torch.from_numpy(per_tok)
         self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], phys)
 
     def sample_tokens(self, *args, **kwargs):
