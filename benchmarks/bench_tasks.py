@@ -650,6 +650,12 @@ def heatmap_grid(doc: dict[str, Any], arm: str, task: str) -> tuple[list[int], l
     return lengths, [[c["by_depth"][b]["accuracy"] for c in cells] for b in range(bins)]
 
 
+def has_heatmap(doc: dict[str, Any]) -> bool:
+    """A heatmap (:func:`plot_heatmap`) is drawn for a run with needle depths at more than one
+    context length (``--heatmap``); a one-length run's depths stay in its cells."""
+    return len({int(c["length"]) for c in doc["cells"] if "by_depth" in c}) > 1
+
+
 def plot_heatmap(doc: dict[str, Any], path: Path) -> None:
     """One panel per arm: accuracy by needle depth (rows) and context length (columns), numbers printed."""
     import matplotlib
@@ -730,7 +736,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rederive(doc, int(args[args.index("--block-size") + 1]))
         out.write_text(json.dumps(doc, indent=1))
         plot(doc, out.with_suffix(".png"))
-        if any("by_depth" in c for c in doc["cells"]):
+        if has_heatmap(doc):
             plot_heatmap(doc, RESULTS / f"{a.rederive}_heatmap.png")
         print(f"rederived {out} and {out.with_suffix('.png')}")
         return 0
@@ -866,7 +872,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.write_text(json.dumps(doc, indent=1))
     (RESULTS / f"{a.name}.partial.json").unlink(missing_ok=True)
     plot(doc, RESULTS / f"{a.name}.png")
-    if any("by_depth" in c for c in doc["cells"]):
+    if has_heatmap(doc):
         plot_heatmap(doc, RESULTS / f"{a.name}_heatmap.png")
     for c in doc["cells"]:
         print(f"{c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} (n {c['n']}), KV kept "

@@ -650,9 +650,12 @@ def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 
     r = recommend_task_config(cells, tol, floor)
     where = (lambda t, n, a: f"{t} at {n:,} tokens: {_pct(a)}") if len(r["kept"]) > 1 else (lambda t, n, a: _pct(a))
     near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
-    if r["dropped"]:
-        near += f"; dropped, dense under {floor * 100:g} %: " + ", ".join(
-            f"{t} at {n:,} tokens ({_pct(a)})" for t, n, a in r["dropped"])
+    if r["dropped"]:  # grouped by length
+        by_len: dict[int, list[str]] = {}
+        for t, n, a in r["dropped"]:
+            by_len.setdefault(int(n), []).append(f"{t} ({_pct(a)})")
+        near += f"; dropped, dense under {floor * 100:g} %: " + "; ".join(
+            f"{', '.join(ts)} at {n:,} tokens" for n, ts in sorted(by_len.items()))
     if not r["picks"]:
         return f"**No config recommended**: none has {near}.\n"
 
@@ -674,7 +677,9 @@ def tasks_table(name: str = "tasks.json") -> str:
     d = _load(name)
     cells = d["cells"]
     ratios = sorted({c["budget_ratio"] for c in cells if c["budget_ratio"]})
-    pairs = sorted({(c["task"], c["length"]) for c in cells})
+    # (task, length) pairs with eviction cells; those with stock's alone were dropped by the dense gate
+    pairs = sorted({(c["task"], c["length"]) for c in cells if c["policy"]}) or sorted(
+        {(c["task"], c["length"]) for c in cells})
     one = len(pairs) == 1
     if one:
         (task, length), = pairs
