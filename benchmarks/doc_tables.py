@@ -642,15 +642,15 @@ def _task_cells(name: str, extra: tuple[str, ...] = ()) -> tuple[dict, list[dict
 
 
 def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 0.6,
-                    extra: tuple[str, ...] = ()) -> str:
+                    extra: tuple[str, ...] = (), dropped: bool = True) -> str:
     """The recommendation of a ``bench_tasks.py`` run (:func:`recommend_task_config`) with the
     eviction arms of the runs in ``extra`` (:func:`_task_cells`), its rule stated, and each (task,
-    length) the rule dropped with dense's accuracy."""
+    length) the rule dropped with dense's accuracy (``dropped``; False where the dense table is beside it)."""
     _, cells = _task_cells(name, extra)
     r = recommend_task_config(cells, tol, floor)
     where = (lambda t, n, a: f"{t} at {n:,} tokens: {_pct(a)}") if len(r["kept"]) > 1 else (lambda t, n, a: _pct(a))
     near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
-    if r["dropped"]:  # grouped by length
+    if r["dropped"] and dropped:  # grouped by length
         by_len: dict[int, list[str]] = {}
         for t, n, a in r["dropped"]:
             by_len.setdefault(int(n), []).append(f"{t} ({_pct(a)})")
@@ -725,7 +725,7 @@ def tasks_arms_table(name: str = "tasks_arms.json", base: str = "tasks.json") ->
                 acc.append(("-" if c is None else f"{c['correct']}/{c['n']}")
                            + ("" if old is None else f" ({old['correct']}/{old['n']})"))
             rows.append(f"| {label} | `{pol}` | " + " | ".join(acc) + " |")
-    return "\n".join(rows) + "\n\n" + tasks_pick_text(base, extra=(name,))
+    return "\n".join(rows) + "\n\n" + tasks_pick_text(base, extra=(name,), dropped=False)
 
 
 def tasks_dense_table(name: str = "tasks_dense.json") -> str:

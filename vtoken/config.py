@@ -154,18 +154,18 @@ class VTokenConfig(BaseModel):
     )
     granularity: Optional[Literal["request", "layer", "head", "head_shared"]] = Field(
         None,
-        description="token sets per request. request: one set shared by every layer and KV head; layer: one per "
-        "layer; head: one per (layer, KV head); head_shared: one per KV head, shared across layers. Every set "
-        "keeps the same number of live tokens, so block tables and slot mappings stay shared. null: the policy's "
-        "own default (its paper's, README's policy table)",
+        description="token sets per request. request: one for every layer and KV head; layer: one per layer; head: "
+        "one per (layer, KV head); head_shared: one per KV head across layers. Every set keeps the same number of "
+        "live tokens, so block tables and slot mappings stay shared. null: the policy's default (README's policy "
+        "table)",
     )
     prefill_eviction: Optional[Literal["after", "chunks"]] = Field(
         None,
-        description="when a long prompt is cut to the budget. after: at the first decode step, the whole prompt held "
-        "until then; chunks: also during the prefill, at the prompt's eviction points (every prefill_eviction_every "
-        "tokens), so a request never holds more than "
-        "budget + slack + prefill_eviction_every + 1 tokens, and a prompt longer than the KV cache is served. Under "
-        "pacing pressure a request evicts at a point only when the pool is short, as in decode. null: chunks (within 0.03 nats/token of after: docs/eviction.md)",
+        description="when a long prompt is cut to the budget. after: at the first decode step (the whole prompt held "
+        "until then); chunks: also at the prompt's eviction points (every prefill_eviction_every tokens), so a "
+        "request holds at most budget + slack + prefill_eviction_every + 1 tokens and a prompt longer than the KV "
+        "cache is served; under pressure pacing, only when the pool is short. null: chunks (within 0.03 nats/token "
+        "of after: docs/eviction.md)",
     )
     prefill_eviction_every: int = Field(
         2048, ge=1, strict=True,
