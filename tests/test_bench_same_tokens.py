@@ -45,6 +45,6 @@ def test_configuration_doc_quotes_the_result():
     assert d["command"] == f"python benchmarks/bench_same_tokens.py --prompts {n}" and pol == "snapkv"
     assert d["settings"]["ratio"] == 0.25
     b = arms[("bfloat16", pol)]["same"]
-    assert (f"(`python benchmarks/bench_same_tokens.py --prompts {n}`: SnapKV at 25 %, {b} of {n} needle prompts "
+    assert (f"(`python benchmarks/bench_same_tokens.py --prompts {n}` -> `same_tokens.json`: SnapKV at 25 %, {b} of {n} needle prompts "
             f"the same alone and batched; fp32 and stock {n} of {n})") in text
     assert all(arms[k]["same"] == n for k in arms if k != ("bfloat16", pol))

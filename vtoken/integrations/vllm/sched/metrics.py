@@ -37,23 +37,25 @@ finished (or aborted) request, from its lifetime figures.
 The bridge between processes
 ----------------------------
 The scheduler runs in the EngineCore process, ``/metrics`` is served by the API-server
-process. vLLM already supports Prometheus multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``;
-``vllm.v1.metrics.prometheus.get_prometheus_registry`` then builds ``/metrics`` from a
-``MultiProcessCollector`` over that directory; vLLM turns it on itself with
-``--api-server-count > 1``). With vToken on, :func:`setup_prometheus_bridge` runs in
-process 0 while the engine config is built (before the EngineCore starts and before
-vLLM creates its own front-end metrics): it sets ``PROMETHEUS_MULTIPROC_DIR`` to a
-temporary directory (kept if already set) and switches prometheus_client's value class
-to its multiprocess one, so vLLM's own metrics and ours are all written to the
-directory and collected together.
+process. Only vToken's own metrics cross: :func:`setup_prometheus_bridge` runs in process 0
+while the engine config is built (before the EngineCore starts): it makes a temporary
+directory, names it in ``VTOKEN_PROMETHEUS_DIR`` (inherited by the EngineCore) and registers
+a ``prometheus_client`` ``MultiProcessCollector`` over it in the default registry, which
+``/metrics`` serves. The EngineCore's :class:`VTokenMetrics` write their values there
+(prometheus_client's file-backed values, for these metrics only). vLLM's own metrics stay
+in-process: turning on Prometheus multiprocess mode for all of them (``PROMETHEUS_MULTIPROC_DIR``)
+made every token's metric updates file writes and cost 1.6 ms of TPOT on two cores
+(``benchmarks/README.md``). Where ``PROMETHEUS_MULTIPROC_DIR`` is set already (by the user, or
+by vLLM with ``--api-server-count > 1``), vLLM's registry collects that directory and vToken
+writes there instead.
 
 Where the engine runs decides, not the variable alone: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 keeps only a *synchronous* engine (``LLM``, ``LLMEngine``) in this process, and then there
 is nothing to bridge and nothing changes. An asynchronous client (the OpenAI server's
 ``AsyncLLM``) always starts the EngineCore in its own process, whatever the variable says;
 so with the variable at 0 the bridge is set up when such a client is made
-(``EngineCoreClient.make_async_mp_client``, before it starts the EngineCore process and
-before vLLM creates its stat loggers; patches/ entry of that symbol).
+(``EngineCoreClient.make_async_mp_client``, before it starts the EngineCore process;
+patches/ entry of that symbol).
 Without the ``vtoken`` key nothing here runs.
 """
 
@@ -66,6 +68,7 @@ from typing import Any, Optional
 
 import prometheus_client
 from prometheus_client import values as _prom_values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 logger = logging.getLogger("vllm.vtoken")  # a child of vLLM's logger: same handlers and format
 
@@ -181,9 +184,12 @@ def metrics_table_markdown() -> str:
 
 
 _LABELS = ["model_name", "engine"]
-# One family per name per process (a second scheduler in the same process reuses them).
-_families: dict[str, Any] = {}
+#: the directory the EngineCore writes vToken's metrics to, named by process 0 (:func:`_bridge`)
+DIR_ENV = "VTOKEN_PROMETHEUS_DIR"
+# One family per (name, directory) per process (a second scheduler in the same process reuses them).
+_families: dict[tuple[str, Optional[str]], Any] = {}
 _bridge_dir: Optional[tempfile.TemporaryDirectory] = None
+_file_values: dict[str, Any] = {}  # directory -> prometheus_client's file-backed value class
 
 
 def setup_prometheus_bridge() -> Optional[str]:
@@ -223,35 +229,62 @@ def _bridge_when_async_client_is_made() -> None:
 
 
 def _bridge() -> str:
+    """Process 0: the directory of vToken's metrics and a collector of it in the default registry
+    (once per process; a directory inherited from a parent is not reused: it holds another
+    server's EngineCore files)."""
     global _bridge_dir
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if path is None:
+    if path:  # multiprocess mode already: vLLM's registry collects this directory
+        return path
+    if _bridge_dir is None:
         _bridge_dir = tempfile.TemporaryDirectory(prefix="vtoken_prom_")
-        path = _bridge_dir.name
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-        logger.info("vToken: Prometheus multiprocess mode on (PROMETHEUS_MULTIPROC_DIR=%s) "
-                    "so /metrics shows the EngineCore's vtoken: metrics", path)
-    _ensure_multiprocess_values()
-    return path
+        os.environ[DIR_ENV] = _bridge_dir.name
+        MultiProcessCollector(prometheus_client.REGISTRY, path=_bridge_dir.name)
+        logger.info("vToken: the EngineCore's vtoken: metrics reach /metrics through %s (%s)", _bridge_dir.name,
+                    DIR_ENV)
+    return _bridge_dir.name
 
 
-def _ensure_multiprocess_values() -> None:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and _prom_values.ValueClass is _prom_values.MutexValue:
-        _prom_values.ValueClass = _prom_values.get_value_class()
+def _metrics_dir() -> Optional[str]:
+    """Where this process's :class:`VTokenMetrics` write (an EngineCore of a bridged server), or
+    None: in memory, in the default registry."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(DIR_ENV) or None
 
 
-def _family(kind: str, name: str, doc: str, buckets: tuple[float, ...] = ()):
-    fam = _families.get(name)
+def _family(kind: str, name: str, doc: str, buckets: tuple[float, ...] = (), path: Optional[str] = None):
+    """The family ``name``: in the default registry, or (``path``) unregistered, its children
+    file-backed in ``path`` (:func:`_child`)."""
+    fam = _families.get((name, path))
     if fam is None:
+        reg = prometheus_client.REGISTRY if path is None else None
         if kind == "histogram":
-            fam = prometheus_client.Histogram(name, doc, labelnames=_LABELS, buckets=buckets)
+            fam = prometheus_client.Histogram(name, doc, labelnames=_LABELS, buckets=buckets, registry=reg)
         elif kind == "gauge":
             # livemostrecent: the value of the live EngineCore only (a dead engine's gauge vanishes).
-            fam = prometheus_client.Gauge(name, doc, labelnames=_LABELS, multiprocess_mode="livemostrecent")
+            fam = prometheus_client.Gauge(name, doc, labelnames=_LABELS, multiprocess_mode="livemostrecent",
+                                          registry=reg)
         else:
-            fam = prometheus_client.Counter(name, doc, labelnames=_LABELS)
-        _families[name] = fam
+            fam = prometheus_client.Counter(name, doc, labelnames=_LABELS, registry=reg)
+        _families[(name, path)] = fam
     return fam
+
+
+def _child(fam, path: Optional[str], labels: dict[str, str]):
+    """``fam.labels(**labels)``; with ``path``, its values written to files in ``path`` (the value
+    class prometheus_client reads when a child is made, switched for this call only)."""
+    if path is None:
+        return fam.labels(**labels)
+    cls = _file_values.get(path)
+    if cls is None:
+        # (read when a value opens its file, and again after a fork: set for this EngineCore process,
+        # whose only Prometheus metrics are these; the API server's stay in memory)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        cls = _file_values[path] = _prom_values.MultiProcessValue()
+    saved, _prom_values.ValueClass = _prom_values.ValueClass, cls
+    try:
+        return fam.labels(**labels)
+    finally:
+        _prom_values.ValueClass = saved
 
 
 def _labels_from_config(vllm_config) -> tuple[str, str]:
@@ -273,11 +306,13 @@ class VTokenMetrics:
     """
 
     def __init__(self, model_name: str, engine: str = "0"):
-        _ensure_multiprocess_values()
         lv = dict(model_name=model_name, engine=engine)
-        self._gauges = [(f, _family("gauge", n, d).labels(**lv)) for n, (f, d) in GAUGES.items()]
-        self._counters = [(f, _family("counter", n, d).labels(**lv)) for n, (f, d) in COUNTERS.items()]
-        self._histograms = [(k, _family("histogram", n, d, b).labels(**lv)) for n, (k, d, b) in HISTOGRAMS.items()]
+        path = _metrics_dir()
+        self._gauges = [(f, _child(_family("gauge", n, d, path=path), path, lv)) for n, (f, d) in GAUGES.items()]
+        self._counters = [(f, _child(_family("counter", n, d, path=path), path, lv))
+                          for n, (f, d) in COUNTERS.items()]
+        self._histograms = [(k, _child(_family("histogram", n, d, b, path=path), path, lv))
+                            for n, (k, d, b) in HISTOGRAMS.items()]
         self._last: dict[str, float] = {f: 0 for f, _ in self._counters}
         self._last_gauges: dict[str, float] = {}
         for f, g in self._gauges:
