@@ -111,8 +111,8 @@ def _wrap_create_engine_config() -> None:
         vcfg.scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
         vcfg.parallel_config.worker_cls = worker_cls
         vcfg.additional_config["vtoken"] = cfg.model_dump()
-        # /metrics (front end) must see the EngineCore's vtoken: metrics: Prometheus
-        # multiprocess mode, set up here, before the EngineCore and vLLM's stat loggers exist.
+        # /metrics (front end) must see the EngineCore's vtoken: metrics: their directory and its
+        # collector, set up here, before the EngineCore starts (sched/metrics.py).
         from vtoken.integrations.vllm.sched.metrics import setup_prometheus_bridge
 
         setup_prometheus_bridge()
