@@ -42,9 +42,10 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 
 
 def needle_prompts(n: int, length_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` needle documents: ``{text, key, value, depth}``; ``depth`` is the needle's line as a
-    fraction of the filler lines (``i / max(n - 1, 1)``), about ``length_tokens`` tokens of filler
-    (26 per line, SmolLM2's tokenizer)."""
+    """``n`` needle documents: ``{text, key, value, depth}``, about ``length_tokens`` tokens of
+    filler each (26 per line, SmolLM2's tokenizer); document ``i``'s needle sits at line
+    ``round(i / (n - 1) * (lines - 1))`` of the filler, and ``depth`` is that line over ``lines - 1``
+    (0 at the top, 1 at the bottom). Seeded: the same arguments give the same documents."""
     rng = random.Random(seed)
     lines = max(length_tokens // 26, 2)
     out = []

@@ -43,9 +43,8 @@ directory, names it in ``VTOKEN_PROMETHEUS_DIR`` (inherited by the EngineCore) a
 a ``prometheus_client`` ``MultiProcessCollector`` over it in the default registry, which
 ``/metrics`` serves. The EngineCore's :class:`VTokenMetrics` write their values there
 (prometheus_client's file-backed values, for these metrics only). vLLM's own metrics stay
-in-process: turning on Prometheus multiprocess mode for all of them (``PROMETHEUS_MULTIPROC_DIR``)
-made every token's metric updates file writes and cost 1.6 ms of TPOT on two cores
-(``benchmarks/README.md``). Where ``PROMETHEUS_MULTIPROC_DIR`` is set already (by the user, or
+in-process: Prometheus multiprocess mode for all of them (``PROMETHEUS_MULTIPROC_DIR``) would
+make every front-end metric update (several per token) a file write. Where ``PROMETHEUS_MULTIPROC_DIR`` is set already (by the user, or
 by vLLM with ``--api-server-count > 1``), vLLM's registry collects that directory and vToken
 writes there instead.
 
