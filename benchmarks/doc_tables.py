@@ -670,34 +670,41 @@ def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 
             + f": the smallest KV cache kept ({_pct(r['kv'])} of dense's) with {near}.\n")
 
 
-def tasks_table(name: str = "tasks.json") -> str:
+def tasks_table(names: str | tuple[str, ...] = "tasks.json") -> str:
     """``bench_tasks.py``: per (task, length) and policy, accuracy (correct / n) at each budget ratio
-    of the prompt, and stock's with the full cache (in the header where the run has one (task,
-    length)). The recommendation is the arms table's (:func:`tasks_arms_table`), over both runs."""
-    d = _load(name)
-    cells = d["cells"]
+    of the prompt, and stock's with the full cache on the same task and length (in the header
+    where the runs have one (task, length)). ``names``: one result file or several (runs at other
+    lengths, e.g. ``tasks_2k.json``); files not committed are skipped. The recommendation is the
+    arms table's (:func:`tasks_arms_table`), over both runs."""
+    runs = [_load(n) for n in ((names,) if isinstance(names, str) else names) if (RESULTS / n).exists()]
+    cells = [c for d in runs for c in d["cells"]]
+    variants = {k: v for d in runs for k, v in d["settings"].get("variants", {}).items()}
     ratios = sorted({c["budget_ratio"] for c in cells if c["budget_ratio"]})
     # (task, length) pairs with eviction cells; those with stock's alone were dropped by the dense gate
     pairs = sorted({(c["task"], c["length"]) for c in cells if c["policy"]}) or sorted(
         {(c["task"], c["length"]) for c in cells})
+
+    def stock_of(task: str, length: int) -> str:
+        return next(f"{c['correct']}/{c['n']}" for c in cells
+                    if c["arm"] == "stock" and (c["task"], c["length"]) == (task, length))
+
     one = len(pairs) == 1
     if one:
         (task, length), = pairs
-        stock = next(f"{c['correct']}/{c['n']}" for c in cells if c["arm"] == "stock")
         rows = [f"| {task}, {length:,} tokens: policy | " + " | ".join(f"{r * 100:g} %" for r in ratios)
-                + f" of the prompt (stock, full cache: {stock}) |", "|---|" + "---|" * len(ratios)]
+                + f" of the prompt (stock, full cache: {stock_of(task, length)}) |", "|---|" + "---|" * len(ratios)]
     else:
         rows = ["| task, length | policy | " + " | ".join(f"{r * 100:g} %" for r in ratios)
                 + " of the prompt | stock (full cache) |", "|---|---|" + "---|" * (len(ratios) + 1)]
     for task, length in pairs:
         here = [c for c in cells if (c["task"], c["length"]) == (task, length)]
-        stock = next(f"{c['correct']}/{c['n']}" for c in here if c["arm"] == "stock")
+        stock = stock_of(task, length)
         for pol, var in dict.fromkeys((c["policy"], c.get("variant")) for c in here if c["policy"]):
             acc = {c["budget_ratio"]: f"{c['correct']}/{c['n']}" for c in here
                    if (c["policy"], c.get("variant")) == (pol, var)}
             cols = " | ".join(acc.get(r, "-") for r in ratios)
-            label = f"`{pol}`" + (f", `{json.dumps(d['settings']['variants'][var]['config'])}`" if var else "")
-            rows.append(f"| {label} | {cols} |" if one else f"| {task}, {length} | {label} | {cols} | {stock} |")
+            label = f"`{pol}`" + (f", `{json.dumps(variants[var]['config'])}`" if var else "")
+            rows.append(f"| {label} | {cols} |" if one else f"| {task}, {length:,} | {label} | {cols} | {stock} |")
     return "\n".join(rows) + "\n"
 
 

@@ -596,3 +596,25 @@ def test_heatmap_only_for_a_run_with_depths_at_several_lengths():
     assert bt.has_heatmap(dict(cells=[dict(length=1024, by_depth=[]), dict(length=2048, by_depth=[])]))
     for name, want in (("tasks", False), ("tasks_needle", True), ("tasks_arms", False)):
         assert bt.has_heatmap(json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())) is want
+
+
+def test_tasks_table_stock_is_the_same_task_and_length(tmp_path, monkeypatch):
+    """The every-policy table's stock figure is stock's on the row's own task and length (it once
+    showed the first stock cell of the run, another task's), across several result files."""
+    import doc_tables
+
+    def cell(arm, task, length, correct, policy=None, ratio=None):
+        return dict(arm=arm, task=task, length=length, correct=correct, n=50, policy=policy, budget_ratio=ratio)
+
+    one = dict(settings={}, cells=[cell("stock", "niah_multikey_2", 1024, 13), cell("stock", "niah_single_1", 1024, 50),
+                                   cell("h2o-25pct", "niah_single_1", 1024, 7, "h2o", 0.25)])
+    two = dict(settings={}, cells=[cell("stock", "niah_single_1", 2048, 49),
+                                   cell("h2o-25pct", "niah_single_1", 2048, 3, "h2o", 0.25)])
+    (tmp_path / "a.json").write_text(json.dumps(one))
+    (tmp_path / "b.json").write_text(json.dumps(two))
+    monkeypatch.setattr(doc_tables, "RESULTS", tmp_path)
+    assert doc_tables.tasks_table("a.json").splitlines()[:3] == [
+        "| niah_single_1, 1,024 tokens: policy | 25 % of the prompt (stock, full cache: 50/50) |", "|---|---|",
+        "| `h2o` | 7/50 |"]
+    assert doc_tables.tasks_table(("a.json", "b.json", "missing.json")).splitlines()[2:] == [
+        "| niah_single_1, 1,024 | `h2o` | 7/50 | 50/50 |", "| niah_single_1, 2,048 | `h2o` | 3/50 | 49/50 |"]
