@@ -685,6 +685,21 @@ def plot_heatmap(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def write_result(doc: dict[str, Any], name: str, block_size: int) -> Path:
+    """The end of a run, a ``--salvage`` and a ``--rederive``: the derived KV figures recomputed
+    (:func:`rederive`), ``results/<name>.json`` written, its plot drawn, and the needle heatmap
+    where the run has one (:func:`has_heatmap`). Returns the JSON's path."""
+    from common import RESULTS
+
+    rederive(doc, block_size)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps(doc, indent=1))
+    plot(doc, out.with_suffix(".png"))
+    if has_heatmap(doc):
+        plot_heatmap(doc, RESULTS / f"{name}_heatmap.png")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -730,14 +745,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.rederive:
         from common import RESULTS
 
-        out = RESULTS / f"{a.rederive}.json"
-        doc = json.loads(out.read_text())
+        doc = json.loads((RESULTS / f"{a.rederive}.json").read_text())
         args = doc["server"]["args"]
-        rederive(doc, int(args[args.index("--block-size") + 1]))
-        out.write_text(json.dumps(doc, indent=1))
-        plot(doc, out.with_suffix(".png"))
-        if has_heatmap(doc):
-            plot_heatmap(doc, RESULTS / f"{a.rederive}_heatmap.png")
+        out = write_result(doc, a.rederive, int(args[args.index("--block-size") + 1]))
         print(f"rederived {out} and {out.with_suffix('.png')}")
         return 0
     preset = SMALL if a.small else HEATMAP if a.heatmap else dict(tasks=TASKS, lengths=LENGTHS, policies=POLICIES, ratios=RATIOS,
@@ -865,15 +875,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 c.setdefault("same_as_one_server_per_arm", []).append(dict(cmp, reference=old[-1]))
     for c in doc["cells"]:
         c.pop("_samples", None)
-    rederive(doc, a.block_size)
     doc["loadavg_after"] = list(os.getloadavg())
     doc["total_wall_s"] = round(time.time() - t_start, 1)
-    out = RESULTS / f"{a.name}.json"
-    out.write_text(json.dumps(doc, indent=1))
+    out = write_result(doc, a.name, a.block_size)
     (RESULTS / f"{a.name}.partial.json").unlink(missing_ok=True)
-    plot(doc, RESULTS / f"{a.name}.png")
-    if has_heatmap(doc):
-        plot_heatmap(doc, RESULTS / f"{a.name}_heatmap.png")
     for c in doc["cells"]:
         print(f"{c['arm']:>14} {c['task']} {c['length']}: accuracy {c['accuracy']:.3f} (n {c['n']}), KV kept "
               f"{c['kv_kept_fraction'] if c['kv_kept_fraction'] is None else round(c['kv_kept_fraction'], 3)}")
@@ -885,8 +890,6 @@ def salvage(a: argparse.Namespace, doc: dict[str, Any], arms: list[dict[str, Any
             cfgs: dict[str, Optional[dict[str, Any]]], workdir: Path, log: Path) -> int:
     """``--salvage``: the result of a run that died before writing it, from its work directory and
     printed log (cells whose lm-eval run left no samples are left out, and listed)."""
-    from common import RESULTS
-
     got = salvage_lines(log.read_text().splitlines())
     missing = []
     doc.pop("loadavg_before", None)
@@ -904,7 +907,6 @@ def salvage(a: argparse.Namespace, doc: dict[str, Any], arms: list[dict[str, Any
                 settle(c, cfgs)
                 doc["cells"].append(c)
     doc["arms"] = [dict(x, server_config=cfgs[x["server"]]) for x in arms]
-    rederive(doc, a.block_size)
     walls = [c["wall_s"] for c in doc["cells"] if c["wall_s"] is not None]
     argv = sys.argv[1:]
     i = argv.index("--salvage")
@@ -917,9 +919,7 @@ def salvage(a: argparse.Namespace, doc: dict[str, Any], arms: list[dict[str, Any
         cells_missing=missing, no_server_kv_check=True)
     doc["total_wall_s"] = None
     doc["cells_wall_s_sum"] = round(sum(walls), 1)
-    out = RESULTS / f"{a.name}.json"
-    out.write_text(json.dumps(doc, indent=1))
-    plot(doc, RESULTS / f"{a.name}.png")
+    out = write_result(doc, a.name, a.block_size)
     print(f"salvaged {len(doc['cells'])} cells into {out} (missing: {missing or 'none'})")
     return 0
 

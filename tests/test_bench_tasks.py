@@ -616,5 +616,12 @@ def test_tasks_table_stock_is_the_same_task_and_length(tmp_path, monkeypatch):
     assert doc_tables.tasks_table("a.json").splitlines()[:3] == [
         "| niah_single_1, 1,024 tokens: policy | 25 % of the prompt (stock, full cache: 50/50) |", "|---|---|",
         "| `h2o` | 7/50 |"]
-    assert doc_tables.tasks_table(("a.json", "b.json", "missing.json")).splitlines()[2:] == [
-        "| niah_single_1, 1,024 | `h2o` | 7/50 | 50/50 |", "| niah_single_1, 2,048 | `h2o` | 3/50 | 49/50 |"]
+    # one task at two lengths (a file not committed is skipped): a column per length
+    assert doc_tables.tasks_table(("a.json", "b.json", "missing.json")).splitlines() == [
+        "| niah_single_1: policy | 1,024 tokens: 25 % | 2,048 tokens: 25 % of the prompt (correct of 50) |",
+        "|---|---|---|", "| stock (full cache) | 50/50 | 49/50 |", "| `h2o` | 7 | 3 |"]
+    two["cells"].append(cell("tova-25pct", "niah_multikey_2", 2048, 1, "tova", 0.25))  # two tasks: a row per pair
+    (tmp_path / "b.json").write_text(json.dumps(two | {"cells": two["cells"] + [cell("stock", "niah_multikey_2", 2048, 4)]}))
+    assert doc_tables.tasks_table(("a.json", "b.json")).splitlines()[2:] == [
+        "| niah_multikey_2, 2,048 | `tova` | 1/50 | 4/50 |", "| niah_single_1, 1,024 | `h2o` | 7/50 | 50/50 |",
+        "| niah_single_1, 2,048 | `h2o` | 3/50 | 49/50 |"]
