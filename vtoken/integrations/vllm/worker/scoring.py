@@ -32,6 +32,12 @@ STACK_READ_ELEMS = 1 << 24
 MAX_TILE_ROWS = 128
 
 
+@functools.lru_cache(maxsize=8)
+def _above_diagonal(t: int) -> torch.Tensor:
+    """bool ``[t, t]``: True above the diagonal (a query tile's masked keys among its last ``t``)."""
+    return torch.ones((t, t), dtype=torch.bool).triu_(1)
+
+
 def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: bool,
                   tile_elems: int = TILE_ELEMS, dtype: torch.dtype = torch.float32, per_kv_head: bool = False,
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -77,7 +83,6 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
     kt = k.to(dtype).repeat_interleave(Hq // Hkv, dim=0).transpose(1, 2)  # [Hq, hd, n]
     qh = q.permute(1, 0, 2).to(dtype)  # [Hq, ql, hd]
     T = max(1, min(MAX_TILE_ROWS, tile_elems // (Hq * n)))
-    keys = torch.arange(n).view(1, 1, n)
     G = Hq // Hkv
     col = torch.zeros((Hkv, n) if per_kv_head else n, dtype=torch.float64)
     last = None
@@ -86,9 +91,10 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
         # Causal: the tile's rows see keys 0..hi-1 only, so the keys past them are never
         # multiplied (their probabilities are exactly 0): about half the work of a prompt.
         hi = n - ql + t1
-        logits = torch.bmm(qh[:, t0:t1], kt[:, :, :hi]) * scale  # [Hq, t, hi]
-        qpos = torch.arange(n - ql + t0, hi).view(1, t1 - t0, 1)
-        logits.masked_fill_(keys[:, :, :hi] > qpos, float("-inf"))
+        logits = torch.bmm(qh[:, t0:t1], kt[:, :, :hi]).mul_(scale)  # [Hq, t, hi]
+        # row i (position n - ql + t0 + i) sees keys up to its own: only the tile's last t keys,
+        # a strict upper triangle, are masked
+        logits[:, :, hi - (t1 - t0):].masked_fill_(_above_diagonal(t1 - t0), float("-inf"))
         probs = torch.softmax(logits, dim=-1)  # [Hq, t, hi]
         del logits
         # Sums in float64 (a float32 reduction rounds differently with the tile's shape): over the
