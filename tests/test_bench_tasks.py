@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -461,7 +462,8 @@ def test_readme_leads_with_the_task_table_and_its_recommendation():
     for name in (doc_tables.TASKS_LEAD,) + doc_tables.TASKS_EXTRA:
         d = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
         assert d["settings"]["prefix_caching"] is False and "prefix caching off" in m.group(1)
-        assert f"`{name}`" in m.group(1) and f"`{d['command']}` -> `results/{name}`" in bench, name
+        run = f"make {MAKE_TARGETS[name]}" if name in MAKE_TARGETS else d["command"]  # (checked against the file below)
+        assert f"`{name}`" in m.group(1) and f"`{run}` -> `results/{name}`" in bench, name
 
 
 def test_shared_kv_and_rederive():
@@ -559,6 +561,26 @@ def test_variants_get_a_server_each_with_their_config_over_the_shared_settings()
             bt.parse_variant(bad)
 
 
+#: the make target of each run the benchmarks README names by its target
+MAKE_TARGETS = {"tasks_arms.json": "bench-tasks-arms", "tasks_2k.json": "bench-tasks-2k"}
+
+
+def make_recipe(target: str) -> list[str]:
+    """The arguments ``make TARGET`` passes to ``benchmarks/bench_tasks.py`` (its script first)."""
+    text = (ROOT / "Makefile").read_text()
+    m = re.search(rf"^{re.escape(target)}: tasks-extra\n((?:\t.*\n)+)", text, re.M)
+    assert m, target
+    words = shlex.split(m.group(1).replace("\\\n", " "))
+    assert words[0] == "$(VPY)", words[:2]
+    return words[1:]
+
+
+def test_make_recipe_reads_continued_lines():
+    assert make_recipe("bench-tasks-2k") == ["benchmarks/bench_tasks.py", "--tasks", "niah_single_1", "--lengths",
+                                             "2048", "--parallel", "3", "--name", "tasks_2k"]
+    assert make_recipe("bench-tasks-arms")[-2:] == ["--variant", 'recent64:expected_attention:{"recent_tokens": 64}']
+
+
 def test_benchmarks_readme_arms_table_is_the_result():
     """The other settings (``--variant``): the table is generated from its file, the run line is the
     file's, and every cell ran with its variant's settings (as the engine resolves them,
@@ -572,7 +594,9 @@ def test_benchmarks_readme_arms_table_is_the_result():
         m = re.search(rf"<!-- generated: benchmarks/doc_tables.py {table} -->\n(.*?)<!-- end generated -->", text, re.S)
         assert m and m.group(1) == doc_tables.TABLES[table](), table
         wall = d["total_wall_s"] or d["cells_wall_s_sum"]  # (a --salvage'd run records its cells' sum)
-        assert f"`{d['command']}` -> `results/{name}`" in flat and f"{wall:,.0f} s" in flat, name
+        target = MAKE_TARGETS[name]
+        assert make_recipe(target) == shlex.split(d["command"])[1:], target  # the file's run is the target's
+        assert f"`make {target}` -> `results/{name}`" in flat and f"{wall:,.0f} s" in flat, name
         (stock,) = [c for c in d["cells"] if c["arm"] == "stock"]
         assert stock["n"] == 50 and d["settings"]["prefix_caching"] is False
         for c in d["cells"]:
