@@ -563,6 +563,9 @@ def _short_refusal(text: str) -> str:
 TASKS_LEAD = "tasks.json"
 #: README's lead table: the best policies shown (the default policy too), the others in one line
 TASKS_LEAD_TOP = 3
+#: the every-policy runs (``make bench-tasks`` at 1k, ``make bench-tasks-2k``): one table, a column per length
+TASKS_FULL = ("tasks.json", "tasks_2k.json")
+
 #: more bench_tasks runs whose eviction arms (``--variant``: other token sets, prefill eviction,
 #: slack) join TASKS_LEAD's in the recommendation; a file not there yet is skipped
 TASKS_EXTRA = ("tasks_arms.json",)
@@ -958,7 +961,7 @@ TABLES = {"overhead_table": overhead_table,
           "model_families_table": model_families_table,
           "model_families_readme_table": model_families_readme_table,
           "tasks_lead_table": lambda: tasks_lead_table(TASKS_LEAD, top=TASKS_LEAD_TOP, extra=TASKS_EXTRA),
-          "tasks_full_table": lambda: tasks_table("tasks.json"),
+          "tasks_full_table": lambda: tasks_table(TASKS_FULL),
           "sla_at_quality_runs_table": lambda: sla_table("sla_at_quality.json"),
           "sla_at_quality_unloaded_table": lambda: sla_unloaded_table("sla_at_quality.json"),
           "sla_keyonly_table": lambda: sla_at_quality_table("sla_at_quality_keyonly.json"),

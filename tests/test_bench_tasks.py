@@ -336,7 +336,7 @@ def test_benchmarks_readme_every_policy_table_is_the_result():
     text = (ROOT / "benchmarks" / "README.md").read_text()
     m = re.search(r"<!-- generated: benchmarks/doc_tables.py tasks_full_table -->\n(.*?)<!-- end generated -->",
                   text, re.S)
-    assert m and m.group(1) == doc_tables.tasks_table("tasks.json")
+    assert m and m.group(1) == doc_tables.tasks_table(doc_tables.TASKS_FULL)
     flat = " ".join(text.split())
     loads = [x for c in d["cells"] for x in (c["load_before"][0], c["load_after"][0])]
     # the make target's run: the defaults, end to end within its 90 minutes
@@ -649,3 +649,22 @@ def test_tasks_table_stock_is_the_same_task_and_length(tmp_path, monkeypatch):
     assert doc_tables.tasks_table(("a.json", "b.json")).splitlines()[2:] == [
         "| niah_multikey_2, 2,048 | `tova` | 1/50 | 4/50 |", "| niah_single_1, 1,024 | `h2o` | 7/50 | 50/50 |",
         "| niah_single_1, 2,048 | `h2o` | 3/50 | 49/50 |"]
+
+
+def test_benchmarks_readme_names_the_2k_run():
+    """``make bench-tasks-2k``'s result: every policy at 2,048 tokens on the one task dense passes
+    there, at the three budgets, 50 samples a cell; the README names it with its cells, wall time
+    and load (its table is the every-policy table's 2,048 column)."""
+    p = ROOT / "benchmarks" / "results" / "tasks_2k.json"
+    if not p.exists():
+        pytest.skip("results/tasks_2k.json not committed")
+    d = json.loads(p.read_text())
+    assert make_recipe("bench-tasks-2k") == shlex.split(d["command"])[1:]
+    cells = d["cells"]
+    assert {(c["task"], c["length"]) for c in cells} == {("niah_single_1", 2048)} and all(c["n"] == 50 for c in cells)
+    assert sorted(c["policy"] for c in cells if c["budget_ratio"] == 0.5) == bt.POLICIES
+    assert {c["budget_ratio"] for c in cells if c["policy"]} == set(bt.RATIOS)
+    loads = [x for c in cells for x in (c["load_before"][0], c["load_after"][0])]
+    flat = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    assert (f"`make bench-tasks-2k` -> `results/tasks_2k.json`, plot `results/tasks_2k.png`; {len(cells)} cells, "
+            f"{d['total_wall_s']:,.0f} s, load {min(loads):.1f}-{max(loads):.1f}") in flat
