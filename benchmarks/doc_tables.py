@@ -697,15 +697,15 @@ def tasks_table(names: str | tuple[str, ...] = "tasks.json") -> str:
         lengths = [n for _, n in pairs]
         ns = {c["n"] for c in cells if c["policy"] and c["task"] == task}
         of = f" of {ns.pop()}" if len(ns) == 1 else ""
-        rows = [f"| {task}: policy | " + " | ".join(f"{n:,} tokens: " + " / ".join(f"{r * 100:g} %" for r in ratios)
-                                                    for n in lengths) + f" of the prompt (correct{of}) |",
+        rows = [f"| {task}, correct{of}: policy | " + " | ".join(f"{n:,} tokens at " + ", ".join(f"{r * 100:g}" for r in ratios)
+                                                               + " %" for n in lengths) + " |",
                 "|---|" + "---|" * len(lengths),
                 "| stock (full cache) | " + " | ".join(stock_of(task, n) for n in lengths) + " |"]
         for pol, var in dict.fromkeys((c["policy"], c.get("variant")) for c in cells if c["policy"]):
             got = {(c["length"], c["budget_ratio"]): (str(c["correct"]) if of else f"{c['correct']}/{c['n']}")
                    for c in cells if (c["policy"], c.get("variant")) == (pol, var)}
             label = f"`{pol}`" + (f", `{json.dumps(variants[var]['config'])}`" if var else "")
-            rows.append(f"| {label} | " + " | ".join(" / ".join(got.get((n, r), "-") for r in ratios)
+            rows.append(f"| {label} | " + " | ".join(", ".join(got.get((n, r), "-") for r in ratios)
                                                       for n in lengths) + " |")
         return "\n".join(rows) + "\n"
     if one:

@@ -642,7 +642,7 @@ def test_tasks_table_stock_is_the_same_task_and_length(tmp_path, monkeypatch):
         "| `h2o` | 7/50 |"]
     # one task at two lengths (a file not committed is skipped): a column per length
     assert doc_tables.tasks_table(("a.json", "b.json", "missing.json")).splitlines() == [
-        "| niah_single_1: policy | 1,024 tokens: 25 % | 2,048 tokens: 25 % of the prompt (correct of 50) |",
+        "| niah_single_1, correct of 50: policy | 1,024 tokens at 25 % | 2,048 tokens at 25 % |",
         "|---|---|---|", "| stock (full cache) | 50/50 | 49/50 |", "| `h2o` | 7 | 3 |"]
     two["cells"].append(cell("tova-25pct", "niah_multikey_2", 2048, 1, "tova", 0.25))  # two tasks: a row per pair
     (tmp_path / "b.json").write_text(json.dumps(two | {"cells": two["cells"] + [cell("stock", "niah_multikey_2", 2048, 4)]}))
@@ -666,5 +666,5 @@ def test_benchmarks_readme_names_the_2k_run():
     assert {c["budget_ratio"] for c in cells if c["policy"]} == set(bt.RATIOS)
     loads = [x for c in cells for x in (c["load_before"][0], c["load_after"][0])]
     flat = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
-    assert (f"`make bench-tasks-2k` -> `results/tasks_2k.json`, plot `results/tasks_2k.png`; {len(cells)} cells, "
-            f"{d['total_wall_s']:,.0f} s, load {min(loads):.1f}-{max(loads):.1f}") in flat
+    assert (f"2,048 tokens: `make bench-tasks-2k` -> `results/tasks_2k.json`, plot `results/tasks_2k.png`, "
+            f"{len(cells)} cells, {d['total_wall_s']:,.0f} s, load {min(loads):.1f}-{max(loads):.1f})") in flat
