@@ -653,8 +653,9 @@ def test_tasks_table_stock_is_the_same_task_and_length(tmp_path, monkeypatch):
 
 def test_benchmarks_readme_names_the_2k_run():
     """``make bench-tasks-2k``'s result: every policy at 2,048 tokens on the one task dense passes
-    there, at the three budgets, 50 samples a cell; the README names it with its cells, wall time
-    and load (its table is the every-policy table's 2,048 column)."""
+    there, at the three budgets, 50 samples a cell (a run cut short, ``--salvage``'d, names each cell
+    it lacks); the README names it with its cells, time and load, and the cells it lacks (its table
+    is the every-policy table's 2,048 column)."""
     p = ROOT / "benchmarks" / "results" / "tasks_2k.json"
     if not p.exists():
         pytest.skip("results/tasks_2k.json not committed")
@@ -662,9 +663,16 @@ def test_benchmarks_readme_names_the_2k_run():
     assert make_recipe("bench-tasks-2k") == shlex.split(d["command"])[1:]
     cells = d["cells"]
     assert {(c["task"], c["length"]) for c in cells} == {("niah_single_1", 2048)} and all(c["n"] == 50 for c in cells)
-    assert sorted(c["policy"] for c in cells if c["budget_ratio"] == 0.5) == bt.POLICIES
-    assert {c["budget_ratio"] for c in cells if c["policy"]} == set(bt.RATIOS)
-    loads = [x for c in cells for x in (c["load_before"][0], c["load_after"][0])]
+    missing = d.get("salvaged", {}).get("cells_missing", [])
+    have = {f"{c['arm']} niah_single_1 2048" for c in cells if c["policy"]}
+    want = {f"{pol}-{r * 100:g}pct niah_single_1 2048" for pol in bt.POLICIES for r in bt.RATIOS}
+    assert have | set(missing) == want and not have & set(missing)
+    loads = [x for c in cells for x in (c["load_before"][0], c["load_after"][0]) if x is not None]
     flat = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
-    assert (f"2,048 tokens: `make bench-tasks-2k` -> `results/tasks_2k.json`, plot `results/tasks_2k.png`, "
-            f"{len(cells)} cells, {d['total_wall_s']:,.0f} s, load {min(loads):.1f}-{max(loads):.1f})") in flat
+    head = f"2,048 tokens: `make bench-tasks-2k` -> `results/tasks_2k.json`, plot `results/tasks_2k.png`, "
+    if missing:
+        lacking = sorted({m.split("-")[0] for m in missing})
+        assert (head + f"{len(cells)} of {len(cells) + len(missing)} cells ({d['cells_wall_s_sum']:,.0f} s of cells, "
+                f"load {min(loads):.1f}-{max(loads):.1f}; cut short and salvaged; not yet: " + ", ".join(lacking) + ")") in flat
+    else:
+        assert (head + f"{len(cells)} cells, {d['total_wall_s']:,.0f} s, load {min(loads):.1f}-{max(loads):.1f})") in flat
