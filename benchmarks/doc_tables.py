@@ -691,6 +691,9 @@ def tasks_table(names: str | tuple[str, ...] = "tasks.json") -> str:
         return next(f"{c['correct']}/{c['n']}" for c in cells
                     if c["arm"] == "stock" and (c["task"], c["length"]) == (task, length))
 
+    def label(pol: str, var: str | None) -> str:
+        return f"`{pol}`" + (f", `{json.dumps(variants[var]['config'])}`" if var else "")
+
     one = len(pairs) == 1
     if len(pairs) > 1 and len({t for t, _ in pairs}) == 1:  # one task at several lengths: a column per length
         task = pairs[0][0]
@@ -704,8 +707,7 @@ def tasks_table(names: str | tuple[str, ...] = "tasks.json") -> str:
         for pol, var in dict.fromkeys((c["policy"], c.get("variant")) for c in cells if c["policy"]):
             got = {(c["length"], c["budget_ratio"]): (str(c["correct"]) if of else f"{c['correct']}/{c['n']}")
                    for c in cells if (c["policy"], c.get("variant")) == (pol, var)}
-            label = f"`{pol}`" + (f", `{json.dumps(variants[var]['config'])}`" if var else "")
-            rows.append(f"| {label} | " + " | ".join(", ".join(got.get((n, r), "-") for r in ratios)
+            rows.append(f"| {label(pol, var)} | " + " | ".join(", ".join(got.get((n, r), "-") for r in ratios)
                                                       for n in lengths) + " |")
         return "\n".join(rows) + "\n"
     if one:
@@ -722,8 +724,8 @@ def tasks_table(names: str | tuple[str, ...] = "tasks.json") -> str:
             acc = {c["budget_ratio"]: f"{c['correct']}/{c['n']}" for c in here
                    if (c["policy"], c.get("variant")) == (pol, var)}
             cols = " | ".join(acc.get(r, "-") for r in ratios)
-            label = f"`{pol}`" + (f", `{json.dumps(variants[var]['config'])}`" if var else "")
-            rows.append(f"| {label} | {cols} |" if one else f"| {task}, {length:,} | {label} | {cols} | {stock} |")
+            rows.append(f"| {label(pol, var)} | {cols} |" if one else
+                        f"| {task}, {length:,} | {label(pol, var)} | {cols} | {stock} |")
     return "\n".join(rows) + "\n"
 
 
