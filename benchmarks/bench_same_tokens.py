@@ -63,6 +63,14 @@ def needle_prompts(n: int, length_tokens: int, seed: int = 0) -> list[dict[str, 
     return out
 
 
+def needle_chat_prompt(tok: Any, doc: dict[str, Any]) -> str:
+    """A :func:`needle_prompts` document as the model sees it: the user turn in the tokenizer's chat
+    template, then the start of the answer (as lm-eval's RULER task appends it)."""
+    return (tok.apply_chat_template([{"role": "user", "content": doc["text"]}], tokenize=False,
+                                    add_generation_prompt=True)
+            + f"The special magic number for {doc['key']} mentioned in the provided text is")
+
+
 def one_arm(dtype: str, policy: str, a: argparse.Namespace) -> dict[str, Any]:
     """The arm in this process: answers alone, then in one batch."""
     from vllm import LLM, SamplingParams
@@ -75,9 +83,7 @@ def one_arm(dtype: str, policy: str, a: argparse.Namespace) -> dict[str, Any]:
               enforce_eager=True, kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False,
               additional_config=vt or {})
     tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": d["text"]}], tokenize=False,
-                                       add_generation_prompt=True)
-               + f"The special magic number for {d['key']} mentioned in the provided text is" for d in docs]
+    prompts = [needle_chat_prompt(tok, d) for d in docs]
     lens = [len(tok(p).input_ids) for p in prompts]
     sps = [SamplingParams(temperature=0, max_tokens=a.max_tokens,
                           extra_args=None if vt is None else {"vtoken_budget": math.ceil(a.ratio * n)})

@@ -255,13 +255,6 @@ def rel_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------ model (main only)
-def _build_prompt(tok, doc: dict[str, Any]) -> str:
-    """The chat-templated needle prompt with the answer's start appended (``bench_same_tokens``)."""
-    return (tok.apply_chat_template([{"role": "user", "content": doc["text"]}], tokenize=False,
-                                    add_generation_prompt=True)
-            + f"The special magic number for {doc['key']} mentioned in the provided text is")
-
-
 def _spans(prompt: str, offsets: list[tuple[int, int]], doc: dict[str, Any]) -> tuple[list[int], list[int]]:
     """Token indices of the needle's value and of the question (from its first word to the end)."""
     vs = prompt.index(doc["value"])
@@ -288,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench_same_tokens import needle_prompts
+    from bench_same_tokens import needle_chat_prompt, needle_prompts
     from vtoken.assets.paths import smollm2_dir
 
     doc: dict[str, Any] = dict(
@@ -370,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     max_rel = 0.0
     bar = tqdm(docs, desc="prompts", unit="prompt")
     for doc_i in bar:
-        prompt = _build_prompt(tok, doc_i)
+        prompt = needle_chat_prompt(tok, doc_i)
         enc = tok(prompt, return_offsets_mapping=True, return_tensors="pt")
         ids, offsets = enc.input_ids, [tuple(x) for x in enc.offset_mapping[0].tolist()]
         L = ids.shape[1]
