@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_tasks as bt  # noqa: E402
 from drivers.launcher import parse_metrics  # noqa: E402
+from drivers.makefile import recipe  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- scorer
@@ -567,10 +568,7 @@ MAKE_TARGETS = {"tasks_arms.json": "bench-tasks-arms", "tasks_2k.json": "bench-t
 
 def make_recipe(target: str) -> list[str]:
     """The arguments ``make TARGET`` passes to ``benchmarks/bench_tasks.py`` (its script first)."""
-    text = (ROOT / "Makefile").read_text()
-    m = re.search(rf"^{re.escape(target)}: tasks-extra\n((?:\t.*\n)+)", text, re.M)
-    assert m, target
-    words = shlex.split(m.group(1).replace("\\\n", " "))
+    words = recipe(target)
     assert words[0] == "$(VPY)", words[:2]
     return words[1:]
 
@@ -579,6 +577,9 @@ def test_make_recipe_reads_continued_lines():
     assert make_recipe("bench-tasks-2k") == ["benchmarks/bench_tasks.py", "--tasks", "niah_single_1", "--lengths",
                                              "2048", "--parallel", "3", "--name", "tasks_2k"]
     assert make_recipe("bench-tasks-arms")[-2:] == ["--variant", 'recent64:expected_attention:{"recent_tokens": 64}']
+    assert recipe("bench-sla-512")[:2] == ["$(VPY)", "benchmarks/bench_sla.py"]  # (another prerequisite)
+    with pytest.raises(KeyError, match="no-such-target"):
+        recipe("no-such-target")
 
 
 def test_benchmarks_readme_arms_table_is_the_result():

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from drivers.makefile import recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
@@ -390,8 +392,7 @@ def _lead(text: str, start: str) -> str:
 
 
 def _makefile_cmd(target: str) -> str:
-    make = (ROOT / "Makefile").read_text().split(f"\n{target}: assets\n")[1].split("\n\n")[0]
-    return " ".join(make.replace("\\\n", " ").split())
+    return " ".join(recipe(target))
 
 
 def test_benchmarks_readme_tables_are_generated():

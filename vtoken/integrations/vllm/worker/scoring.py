@@ -33,9 +33,9 @@ MAX_TILE_ROWS = 128
 
 
 @functools.lru_cache(maxsize=8)
-def _above_diagonal(t: int) -> torch.Tensor:
-    """bool ``[t, t]``: True above the diagonal (a query tile's masked keys among its last ``t``)."""
-    return torch.ones((t, t), dtype=torch.bool).triu_(1)
+def _above_diagonal(t: int, device: torch.device) -> torch.Tensor:
+    """bool ``[t, t]`` on ``device``: True above the diagonal (a query tile's masked keys among its last ``t``)."""
+    return torch.ones((t, t), dtype=torch.bool, device=device).triu_(1)
 
 
 def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: bool,
@@ -94,7 +94,7 @@ def prefill_stats(q: torch.Tensor, k: torch.Tensor, scale: float, want_last: boo
         logits = torch.bmm(qh[:, t0:t1], kt[:, :, :hi]).mul_(scale)  # [Hq, t, hi]
         # row i (position n - ql + t0 + i) sees keys up to its own: only the tile's last t keys,
         # a strict upper triangle, are masked
-        logits[:, :, hi - (t1 - t0):].masked_fill_(_above_diagonal(t1 - t0), float("-inf"))
+        logits[:, :, hi - (t1 - t0):].masked_fill_(_above_diagonal(t1 - t0, logits.device), float("-inf"))
         probs = torch.softmax(logits, dim=-1)  # [Hq, t, hi]
         del logits
         # Sums in float64 (a float32 reduction rounds differently with the tile's shape): over the
