@@ -563,8 +563,9 @@ def _short_refusal(text: str) -> str:
 TASKS_LEAD = "tasks.json"
 #: README's lead table: the best policies shown (the default policy too), the others in one line
 TASKS_LEAD_TOP = 3
-#: the every-policy runs (``make bench-tasks`` at 1k, ``make bench-tasks-2k``): one table, a column per length
-TASKS_FULL = ("tasks.json", "tasks_2k.json")
+#: the every-policy runs (``make bench-tasks`` at 1k, ``make bench-tasks-2k`` and ``-2k-rest``): one table,
+#: a column per length
+TASKS_FULL = ("tasks.json", "tasks_2k.json", "tasks_2k_b.json")
 
 #: more bench_tasks runs whose eviction arms (``--variant``: other token sets, prefill eviction,
 #: slack) join TASKS_LEAD's in the recommendation; a file not there yet is skipped
@@ -687,9 +688,9 @@ def tasks_table(names: str | tuple[str, ...] = "tasks.json") -> str:
     pairs = sorted({(c["task"], c["length"]) for c in cells if c["policy"]}) or sorted(
         {(c["task"], c["length"]) for c in cells})
 
-    def stock_of(task: str, length: int) -> str:
-        return next(f"{c['correct']}/{c['n']}" for c in cells
-                    if c["arm"] == "stock" and (c["task"], c["length"]) == (task, length))
+    def stock_of(task: str, length: int) -> str:  # (runs that disagree all shown)
+        return ", ".join(dict.fromkeys(f"{c['correct']}/{c['n']}" for c in cells
+                                       if c["arm"] == "stock" and (c["task"], c["length"]) == (task, length)))
 
     def label(pol: str, var: str | None) -> str:
         return f"`{pol}`" + (f", `{json.dumps(variants[var]['config'])}`" if var else "")
