@@ -757,15 +757,21 @@ def tasks_arms_table(name: str = "tasks_arms.json", base: str = "tasks.json") ->
     return "\n".join(rows) + "\n\n" + tasks_pick_text(base, extra=(name,), dropped=False)
 
 
-def tasks_dense_table(name: str = "tasks_dense.json") -> str:
+#: the dense-only runs (``bench_tasks.py --policies``): 1k and 2k, then 4k
+TASKS_DENSE = ("tasks_dense.json", "tasks_dense_4k.json")
+
+
+def tasks_dense_table(names: tuple[str, ...] = TASKS_DENSE) -> str:
     """``bench_tasks.py --policies`` (stock alone): dense accuracy per task and length, and which
-    pairs the gate (``dense_gate``: accuracy under ``--dense-floor``) drops from the eviction arms."""
-    d = _load(name)
-    floor = d["dense_gate"]["floor"]
-    lengths = sorted({c["length"] for c in d["cells"]})
+    pairs the gate (``dense_gate``: accuracy under ``--dense-floor``) drops from the eviction arms.
+    ``names``: the runs (files not committed are skipped; the first one's floor)."""
+    runs = [_load(n) for n in names if n == names[0] or (RESULTS / n).exists()]
+    floor = runs[0]["dense_gate"]["floor"]
+    cells = [c for d in runs for c in d["cells"]]
+    lengths = sorted({c["length"] for c in cells})
     rows = ["| task | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
-    for task in sorted({c["task"] for c in d["cells"]}):
-        acc = {c["length"]: c["accuracy"] for c in d["cells"] if c["task"] == task}
+    for task in sorted({c["task"] for c in cells}):
+        acc = {c["length"]: c["accuracy"] for c in cells if c["task"] == task}
         rows.append(f"| {task} | " + " | ".join(
             "-" if n not in acc else _pct(acc[n]) + ("" if acc[n] >= floor else " (dropped)") for n in lengths) + " |")
     return "\n".join(rows) + "\n"

@@ -367,6 +367,12 @@ def test_benchmarks_readme_every_policy_table_is_the_result():
     keep, dropped = bt.dense_gate([c for c in dense["cells"] if c["arm"] == "stock"], 0.6)
     assert keep == {("niah_single_1", 1024), ("niah_single_1", 2048)} and len(dropped) == 10
     assert dense["dense_gate"]["kept"] == [["niah_single_1", 1024], ["niah_single_1", 2048]]
+    p4 = ROOT / "benchmarks" / "results" / "tasks_dense_4k.json"  # (4,096 tokens, a run of its own)
+    if p4.exists():
+        d4 = json.loads(p4.read_text())
+        assert {c["length"] for c in d4["cells"]} == {4096} and sorted(c["task"] for c in d4["cells"]) == sorted(bt.TASKS)
+        assert all(c["n"] == 50 and c["arm"] == "stock" for c in d4["cells"])
+        assert f"`{d4['command']}` -> `results/tasks_dense_4k.json`, {d4['total_wall_s']:,.0f} s" in flat
 
 
 # ----------------------------------------------------------------------------- the recommendation rule
