@@ -771,7 +771,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     arms = arm_list(a.policies, a.ratios, a.granularity, a.prefill_eviction, variants)
     workdir = Path(tempfile.mkdtemp(prefix="bench_tasks_"))
     doc: dict[str, Any] = dict(
-        bench="bench_tasks", small=a.small, command="python " + " ".join(["benchmarks/bench_tasks.py"] + argv),
+        bench="bench_tasks", small=a.small, command="python " + shlex.join(["benchmarks/bench_tasks.py"] + argv),
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=machine_info(),
         loadavg_before=list(os.getloadavg()),
         settings=dict(model=a.model, prefix_caching=False, tasks=a.tasks, lengths=a.lengths, limit=a.limit,

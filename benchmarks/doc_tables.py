@@ -569,7 +569,7 @@ TASKS_FULL = ("tasks.json", "tasks_2k.json", "tasks_2k_b.json")
 
 #: more bench_tasks runs whose eviction arms (``--variant``: other token sets, prefill eviction,
 #: slack) join TASKS_LEAD's in the recommendation; a file not there yet is skipped
-TASKS_EXTRA = ("tasks_arms.json",)
+TASKS_EXTRA = ("tasks_arms.json", "tasks_2k.json", "tasks_2k_b.json", "tasks_2k_request.json")
 
 
 def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0.6) -> dict:
@@ -652,12 +652,18 @@ def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 
     length) the rule dropped with dense's accuracy (``dropped``; False where the dense table is beside it)."""
     _, cells = _task_cells(name, extra)
     r = recommend_task_config(cells, tol, floor)
-    where = (lambda t, n, a: f"{t} at {n:,} tokens: {_pct(a)}") if len(r["kept"]) > 1 else (lambda t, n, a: _pct(a))
-    near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
-    if r["dropped"] and dropped:  # grouped by length
+    tasks = {t for t, _, _ in r["kept"]}
+    where = ((lambda t, n, a: f"{t} at {n:,} tokens: {_pct(a)}") if len(tasks) > 1 else
+             (lambda t, n, a: f"{_pct(a)} at {n:,} tokens") if len(r["kept"]) > 1 else (lambda t, n, a: _pct(a)))
+    if len(tasks) == 1 and len(r["kept"]) > 1 and len({a for _, _, a in r["kept"]}) == 1:  # one figure
+        _, _, a = r["kept"][0]
+        near = f"accuracy within {tol * 100:g} points of dense ({_pct(a)} at {' and '.join(f'{n:,}' for _, n, _ in r['kept'])} tokens)"
+    else:
+        near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
+    if r["dropped"] and dropped:  # grouped by length (dense's figures: the dense table)
         by_len: dict[int, list[str]] = {}
         for t, n, a in r["dropped"]:
-            by_len.setdefault(int(n), []).append(f"{t} ({_pct(a)})")
+            by_len.setdefault(int(n), []).append(t)
         near += f"; dropped, dense under {floor * 100:g} %: " + "; ".join(
             f"{', '.join(ts)} at {n:,} tokens" for n, ts in sorted(by_len.items()))
     if not r["picks"]:
@@ -754,7 +760,8 @@ def tasks_arms_table(name: str = "tasks_arms.json", base: str = "tasks.json") ->
                 acc.append(("-" if c is None else f"{c['correct']}/{c['n']}")
                            + ("" if old is None else f" ({old['correct']}/{old['n']})"))
             rows.append(f"| {label} | `{pol}` | " + " | ".join(acc) + " |")
-    return "\n".join(rows) + "\n\n" + tasks_pick_text(base, extra=(name,), dropped=False)
+    return "\n".join(rows) + "\n\n" + tasks_pick_text(base, extra=TASKS_EXTRA if name in TASKS_EXTRA else (name,),
+                                                      dropped=False)
 
 
 #: the dense-only runs (``bench_tasks.py --policies``): 1k and 2k, then 4k
@@ -796,14 +803,15 @@ def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: st
     ratios = sorted({c["budget_ratio"] for c in here if c["budget_ratio"]})
     runs = [name] + [e for e in extra if (RESULTS / e).exists()]
     src = (f"`{d['command']}`" if len(runs) == 1 else
-           "runs " + ", ".join(f"`{x}`" for x in runs) + ", commands in [benchmarks/README.md](benchmarks/README.md#task-accuracy-ruler)")
-    head = (f"RULER {', '.join(f'{t} at {n:,} tokens' for t, n in keep)}, "
+           f"{len(runs)} runs, named with their commands in benchmarks/README.md")
+    lengths = {t: " / ".join(f"{n:,}" for u, n in keep if u == t) for t, _ in keep}  # (a cell: a figure per length)
+    head = (f"RULER {', '.join(f'{t} at {ns} tokens' for t, ns in lengths.items())}, "
             f"{'-'.join(map(str, (ns[0], ns[-1]) if len(ns) > 1 else ns))} samples a cell, "
             f"{Path(st['model']).name}, prefix caching {'on' if st.get('prefix_caching') else 'off'} ({src}):")
 
     def acc(cs: list[dict]) -> str:  # one figure per kept (task, length), "-" where not run
         by = {(c["task"], c["length"]): c for c in cs}
-        return " / ".join(_pct(by[k]["accuracy"]) if k in by else "-" for k in keep)
+        return " / ".join(f"{by[k]['accuracy'] * 100:.0f}" if k in by else "-" for k in keep) + " %"
 
     rows = ["| accuracy, % of the prompt kept: | " + " | ".join(f"{x * 100:g} %" for x in ratios) + " | 100 % |",
             "|---|" + "---|" * (len(ratios) + 1),

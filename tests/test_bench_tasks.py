@@ -424,12 +424,12 @@ def test_tasks_pick_text_and_lead_table_on_a_hand_made_run(tmp_path, monkeypatch
     assert doc_tables.tasks_pick_text("t.json") == (
         '**Recommended: `{"policy":"tova","budget_ratio":0.25,"prefill_eviction":"after"}`** (or `snapkv`): '
         "the smallest KV cache kept (25 % of dense's) with accuracy within 5 points of dense (90 %); dropped, "
-        "dense under 60 %: b (50 %) at 1,024 tokens.\n")
+        "dense under 60 %: b at 1,024 tokens.\n")
     only_h2o = [c for c in doc["cells"] if c["policy"] in (None, "h2o")]
     (tmp_path / "h2o.json").write_text(json.dumps(dict(doc, cells=only_h2o)))
     assert doc_tables.tasks_pick_text("h2o.json", tol=0.04) == (
         "**No config recommended**: none has accuracy within 4 points of dense (90 %); dropped, dense under "
-        "60 %: b (50 %) at 1,024 tokens.\n")
+        "60 %: b at 1,024 tokens.\n")
     lead = doc_tables.tasks_lead_table("t.json")
     assert lead.startswith("RULER a at 1,024 tokens, 10 samples a cell, smollm2-135m-instruct, prefix caching off "
                            "(`python benchmarks/bench_tasks.py --limit 2`):\n\n")
@@ -466,11 +466,15 @@ def test_readme_leads_with_the_task_table_and_its_recommendation():
     # every run the table and the pick draw on is named, with prefix caching off, and its command
     # is in benchmarks/README.md beside its own table
     bench = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
-    for name in (doc_tables.TASKS_LEAD,) + doc_tables.TASKS_EXTRA:
+    names = (doc_tables.TASKS_LEAD,) + doc_tables.TASKS_EXTRA
+    assert f"({len(names)} runs, named with their commands in benchmarks/README.md)" in m.group(1)
+    for name in names:
         d = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
         assert d["settings"]["prefix_caching"] is False and "prefix caching off" in m.group(1)
         run = f"make {MAKE_TARGETS[name]}" if name in MAKE_TARGETS else d["command"]  # (checked against the file below)
-        assert f"`{name}`" in m.group(1) and f"`{run}` -> `results/{name}`" in bench, name
+        assert f"`{run}` -> `results/{name}`" in bench, name
+        if name in MAKE_TARGETS:
+            assert make_recipe(MAKE_TARGETS[name]) == shlex.split(d["command"])[1:], name
 
 
 def test_shared_kv_and_rederive():
@@ -570,7 +574,7 @@ def test_variants_get_a_server_each_with_their_config_over_the_shared_settings()
 
 #: the make target of each run the benchmarks README names by its target
 MAKE_TARGETS = {"tasks_arms.json": "bench-tasks-arms", "tasks_2k.json": "bench-tasks-2k",
-                "tasks_2k_b.json": "bench-tasks-2k-rest"}
+                "tasks_2k_b.json": "bench-tasks-2k-rest", "tasks_2k_request.json": "bench-tasks-2k-request"}
 
 
 def make_recipe(target: str) -> list[str]:
@@ -710,3 +714,21 @@ def test_benchmarks_readme_names_the_2k_run():
     assert rest_have == set(missing) and not rest.get("salvaged")
     assert (head + f"); the other {len(lacking)}, " + ", ".join(lacking) + ": `make bench-tasks-2k-rest` -> "
             f"`results/tasks_2k_b.json`, {len(rest['cells'])} cells, {rest['total_wall_s']:,.0f} s, {rest_load})") in flat
+
+
+def test_benchmarks_readme_names_the_2k_request_run():
+    """``make bench-tasks-2k-request``: the recommended SnapKV with request sets at 2,048 tokens, its
+    correct answers at 12.5 / 25 / 50 % as the README quotes them, with its cells, time and load;
+    the recommendation (README and benchmarks/README.md) weighs both lengths."""
+    import doc_tables
+
+    d, have, load = _grid_2k("tasks_2k_request.json")
+    assert have == {f"snapkv-{r * 100:g}pct-request niah_single_1 2048" for r in bt.RATIOS}
+    assert d["settings"]["variants"]["request"]["config"] == {"granularity": "request"}
+    got = " / ".join(str(c["correct"]) for r in sorted(bt.RATIOS) for c in d["cells"] if c["budget_ratio"] == r)
+    flat = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    assert (f"(2,048 tokens: {got}; `make bench-tasks-2k-request` -> `results/tasks_2k_request.json`, "
+            f"{len(d['cells'])} cells, {d['total_wall_s']:,.0f} s, {load})") in flat
+    r = doc_tables.recommend_task_config(doc_tables._task_cells(doc_tables.TASKS_LEAD, doc_tables.TASKS_EXTRA)[1])
+    assert [(t, n) for t, n, _ in r["kept"]] == [("niah_single_1", 1024), ("niah_single_1", 2048)]
+    assert r["picks"] == [("snapkv", 0.25, "request")]
