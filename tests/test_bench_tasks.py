@@ -372,7 +372,8 @@ def test_benchmarks_readme_every_policy_table_is_the_result():
         d4 = json.loads(p4.read_text())
         assert {c["length"] for c in d4["cells"]} == {4096} and sorted(c["task"] for c in d4["cells"]) == sorted(bt.TASKS)
         assert all(c["n"] == 50 and c["arm"] == "stock" for c in d4["cells"])
-        assert f"`{d4['command']}` -> `results/tasks_dense_4k.json`, {d4['total_wall_s']:,.0f} s" in flat
+        assert make_recipe(MAKE_TARGETS["tasks_dense_4k.json"]) == shlex.split(d4["command"])[1:]
+        assert f"`make bench-tasks-dense-4k` -> `results/tasks_dense_4k.json`, {d4['total_wall_s']:,.0f} s" in flat
 
 
 # ----------------------------------------------------------------------------- the recommendation rule
@@ -574,7 +575,8 @@ def test_variants_get_a_server_each_with_their_config_over_the_shared_settings()
 
 #: the make target of each run the benchmarks README names by its target
 MAKE_TARGETS = {"tasks_arms.json": "bench-tasks-arms", "tasks_2k.json": "bench-tasks-2k",
-                "tasks_2k_b.json": "bench-tasks-2k-rest", "tasks_2k_request.json": "bench-tasks-2k-request"}
+                "tasks_2k_b.json": "bench-tasks-2k-rest", "tasks_2k_request.json": "bench-tasks-2k-request",
+                "tasks_dense_4k.json": "bench-tasks-dense-4k"}
 
 
 def make_recipe(target: str) -> list[str]:
