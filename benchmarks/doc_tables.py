@@ -660,12 +660,12 @@ def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 
         near = f"accuracy within {tol * 100:g} points of dense ({_pct(a)} at {' and '.join(f'{n:,}' for _, n, _ in r['kept'])} tokens)"
     else:
         near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
-    if r["dropped"] and dropped:  # grouped by length (dense's figures: the dense table)
+    if r["dropped"] and dropped:  # grouped by length, more than two as a count (names, figures: the dense table)
         by_len: dict[int, list[str]] = {}
         for t, n, a in r["dropped"]:
             by_len.setdefault(int(n), []).append(t)
         near += f"; dropped, dense under {floor * 100:g} %: " + "; ".join(
-            f"{', '.join(ts)} at {n:,} tokens" for n, ts in sorted(by_len.items()))
+            f"{', '.join(ts) if len(ts) <= 2 else f'{len(ts)} tasks'} at {n:,} tokens" for n, ts in sorted(by_len.items()))
     if not r["picks"]:
         return f"**No config recommended**: none has {near}.\n"
 

@@ -431,6 +431,14 @@ def test_tasks_pick_text_and_lead_table_on_a_hand_made_run(tmp_path, monkeypatch
     assert doc_tables.tasks_pick_text("h2o.json", tol=0.04) == (
         "**No config recommended**: none has accuracy within 4 points of dense (90 %); dropped, dense under "
         "60 %: b at 1,024 tokens.\n")
+    # more than two dropped at a length: a count (the dense table names them); one task at two lengths
+    more = doc["cells"] + [dict(_cell(None, None, t, 0.1, 1.0), n=10) for t in ("c", "d")] + [
+        dict(_cell(None, None, "a", 0.9, 1.0, length=2048), n=10), dict(_cell("tova", 0.25, "a", 0.9, 0.25, length=2048), n=10)]
+    (tmp_path / "more.json").write_text(json.dumps(dict(doc, cells=more)))
+    assert doc_tables.tasks_pick_text("more.json") == (
+        '**Recommended: `{"policy":"tova","budget_ratio":0.25,"prefill_eviction":"after"}`**: the smallest KV cache '
+        "kept (25 % of dense's) with accuracy within 5 points of dense (90 % at 1,024 and 2,048 tokens); dropped, "
+        "dense under 60 %: 3 tasks at 1,024 tokens.\n")
     lead = doc_tables.tasks_lead_table("t.json")
     assert lead.startswith("RULER a at 1,024 tokens, 10 samples a cell, smollm2-135m-instruct, prefix caching off "
                            "(`python benchmarks/bench_tasks.py --limit 2`):\n\n")
