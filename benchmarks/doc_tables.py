@@ -540,8 +540,8 @@ def model_families_table(name: str = "model_families.json") -> str:
     for f in d["families"].values():
         cells = [_family_cell(f["paths"][p]) if p in f["paths"] else "-" for p, _ in FAMILY_PATHS]
         ea = f.get("expected_attention_refusal")
-        if ea:  # the refusal's detail: after its last "; ", without the closing parenthesis
-            cells.append("refused: " + ea.rsplit("; ", 1)[-1][:-1])
+        if ea:  # in a few words, as README's table (the prose below the table explains)
+            cells.append(f"refused: {_short_refusal(ea)}")
         else:
             first = next(iter(f["paths"].values()))
             cells.append("in the batch" if "expected_attention-head" in first.get("first_diff", {}) else "-")

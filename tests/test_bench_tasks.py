@@ -584,7 +584,8 @@ def test_variants_get_a_server_each_with_their_config_over_the_shared_settings()
 #: the make target of each run the benchmarks README names by its target
 MAKE_TARGETS = {"tasks_arms.json": "bench-tasks-arms", "tasks_2k.json": "bench-tasks-2k",
                 "tasks_2k_b.json": "bench-tasks-2k-rest", "tasks_2k_request.json": "bench-tasks-2k-request",
-                "tasks_dense_4k.json": "bench-tasks-dense-4k"}
+                "tasks_dense_4k.json": "bench-tasks-dense-4k", "tasks_4k_a.json": "bench-tasks-4k-a",
+                "tasks_4k_pick.json": "bench-tasks-4k-pick"}
 
 
 def make_recipe(target: str) -> list[str]:
@@ -687,15 +688,15 @@ def test_tasks_table_stock_is_the_same_task_and_length(tmp_path, monkeypatch):
         "| `h2o` | 3/50 |", "| `tova` | 9/50 |"]
 
 
-def _grid_2k(name: str) -> tuple[dict, set[str], str]:
-    """A 2,048-token every-policy result: (the file, its eviction cells' names, its load range);
-    every cell niah_single_1 at 2,048 tokens, 50 samples, its command the make target's."""
+def _grid_2k(name: str, length: int = 2048) -> tuple[dict, set[str], str]:
+    """A niah_single_1 result at ``length`` tokens: (the file, its eviction cells' names, its load
+    range); every cell 50 samples, its command the make target's."""
     d = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
     assert make_recipe(MAKE_TARGETS[name]) == shlex.split(d["command"])[1:], name
     cells = d["cells"]
-    assert {(c["task"], c["length"]) for c in cells} == {("niah_single_1", 2048)} and all(c["n"] == 50 for c in cells)
+    assert {(c["task"], c["length"]) for c in cells} == {("niah_single_1", length)} and all(c["n"] == 50 for c in cells)
     loads = [x for c in cells for x in (c["load_before"][0], c["load_after"][0]) if x is not None]
-    return d, {f"{c['arm']} niah_single_1 2048" for c in cells if c["policy"]}, f"load {min(loads):.1f}-{max(loads):.1f}"
+    return d, {f"{c['arm']} niah_single_1 {length}" for c in cells if c["policy"]}, f"load {min(loads):.1f}-{max(loads):.1f}"
 
 
 def test_benchmarks_readme_names_the_2k_run():
