@@ -738,6 +738,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="no run: rebuild the result of a run given these same options that died before writing it "
                          "(a server killed): every cell from what its lm-eval run left in WORKDIR, its wall time and "
                          "load from the run's printed LOG; the file says so")
+    ap.add_argument("--why", default=None, metavar="TEXT",
+                    help="with --salvage: why the run ended early (recorded as salvaged.why)")
     ap.add_argument("--rederive", default=None, metavar="NAME",
                     help="no run: recompute results/NAME.json's derived fields (KV kept of shared-server cells, "
                          "fractions) from its recorded ones, and redraw NAME.png")
@@ -910,10 +912,13 @@ def salvage(a: argparse.Namespace, doc: dict[str, Any], arms: list[dict[str, Any
     walls = [c["wall_s"] for c in doc["cells"] if c["wall_s"] is not None]
     argv = sys.argv[1:]
     i = argv.index("--salvage")
-    doc["command"] = "python " + shlex.join(["benchmarks/bench_tasks.py"] + argv[:i] + argv[i + 3:])  # the run's
+    run = argv[:i] + argv[i + 3:]
+    if "--why" in run:  # (not an option of the run)
+        w = run.index("--why")
+        run = run[:w] + run[w + 2:]
+    doc["command"] = "python " + shlex.join(["benchmarks/bench_tasks.py"] + run)  # the run's
     doc["salvaged"] = dict(
-        why="the run died before writing its result (a server gone at its last step, e.g. its worker ended by "
-            "the kernel's OOM killer)",
+        why=a.why or "the run ended before writing its result",
         command="python " + shlex.join(["benchmarks/bench_tasks.py"] + sys.argv[1:]), workdir=str(workdir),
         log=str(log), cells_without_a_printed_line=[c["arm"] for c in doc["cells"] if c["wall_s"] is None],
         cells_missing=missing, no_server_kv_check=True)

@@ -743,3 +743,30 @@ def test_benchmarks_readme_names_the_2k_request_run():
     r = doc_tables.recommend_task_config(doc_tables._task_cells(doc_tables.TASKS_LEAD, doc_tables.TASKS_EXTRA)[1])
     assert [(t, n) for t, n, _ in r["kept"]] == [("niah_single_1", 1024), ("niah_single_1", 2048)]
     assert r["picks"] == [("snapkv", 0.25, "request")]
+
+
+def test_benchmarks_readme_names_the_4k_runs():
+    """At 4,096 tokens: KeyDiff at the three budgets (``make bench-tasks-4k-a``, cut short: it names
+    the SnapKV cells it lacks, and why) and, where committed, the recommended SnapKV with request
+    sets at 25 % (``make bench-tasks-4k-pick``); the README quotes their correct answers, cells,
+    time and load."""
+    if not (ROOT / "benchmarks" / "results" / "tasks_4k_a.json").exists():
+        pytest.skip("results/tasks_4k_a.json not committed")
+    a, have, load = _grid_2k("tasks_4k_a.json", 4096)
+    missing = a["salvaged"]["cells_missing"]
+    assert have == {f"keydiff-{r * 100:g}pct niah_single_1 4096" for r in bt.RATIOS} and a["salvaged"]["why"]
+    assert set(missing) == {f"snapkv-{r * 100:g}pct-request niah_single_1 4096" for r in bt.RATIOS}
+    kd = " / ".join(str(c["correct"]) for r in sorted(bt.RATIOS) for c in a["cells"] if c["budget_ratio"] == r)
+    flat = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    text = (f"**4,096 tokens** (`make bench-tasks-4k-a` -> `results/tasks_4k_a.json`, {len(a['cells'])} of "
+            f"{len(a['cells']) + len(missing)} cells ({a['cells_wall_s_sum']:,.0f} s of cells, {load}; stopped after KeyDiff)")
+    if (ROOT / "benchmarks" / "results" / "tasks_4k_pick.json").exists():
+        p, p_have, p_load = _grid_2k("tasks_4k_pick.json", 4096)
+        assert p_have == {"snapkv-25pct-request niah_single_1 4096"}
+        (pick,) = [c for c in p["cells"] if c["policy"]]
+        text += (f"; `make bench-tasks-4k-pick` -> `results/tasks_4k_pick.json`, {len(p['cells'])} cells, "
+                 f"{p['total_wall_s']:,.0f} s, {p_load}): KeyDiff {kd} of 50 at 12.5 / 25 / 50 %, SnapKV with "
+                 f"request sets {pick['correct']} at 25 %.")
+    else:
+        text += f"): KeyDiff {kd} of 50 at 12.5 / 25 / 50 %."
+    assert text in flat
