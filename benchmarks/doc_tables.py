@@ -569,7 +569,8 @@ TASKS_FULL = ("tasks.json", "tasks_2k.json", "tasks_2k_b.json")
 
 #: more bench_tasks runs whose eviction arms (``--variant``: other token sets, prefill eviction,
 #: slack) join TASKS_LEAD's in the recommendation; a file not there yet is skipped
-TASKS_EXTRA = ("tasks_arms.json", "tasks_2k.json", "tasks_2k_b.json", "tasks_2k_request.json")
+TASKS_EXTRA = ("tasks_arms.json", "tasks_2k.json", "tasks_2k_b.json", "tasks_2k_request.json", "tasks_4k_a.json",
+               "tasks_4k_pick.json")
 
 
 def recommend_task_config(cells: list[dict], tol: float = 0.05, floor: float = 0.6) -> dict:
@@ -657,7 +658,8 @@ def tasks_pick_text(name: str = "tasks.json", tol: float = 0.05, floor: float = 
              (lambda t, n, a: f"{_pct(a)} at {n:,} tokens") if len(r["kept"]) > 1 else (lambda t, n, a: _pct(a)))
     if len(tasks) == 1 and len(r["kept"]) > 1 and len({a for _, _, a in r["kept"]}) == 1:  # one figure
         _, _, a = r["kept"][0]
-        near = f"accuracy within {tol * 100:g} points of dense ({_pct(a)} at {' and '.join(f'{n:,}' for _, n, _ in r['kept'])} tokens)"
+        ns = [f"{n:,}" for _, n, _ in r["kept"]]
+        near = f"accuracy within {tol * 100:g} points of dense ({_pct(a)} at {', '.join(ns[:-1])} and {ns[-1]} tokens)"
     else:
         near = f"accuracy within {tol * 100:g} points of dense ({', '.join(where(*k) for k in r['kept'])})"
     if r["dropped"] and dropped:  # grouped by length, more than two as a count (names, figures: the dense table)
@@ -803,7 +805,7 @@ def tasks_lead_table(name: str = TASKS_LEAD, top: int | None = None, default: st
     ratios = sorted({c["budget_ratio"] for c in here if c["budget_ratio"]})
     runs = [name] + [e for e in extra if (RESULTS / e).exists()]
     src = (f"`{d['command']}`" if len(runs) == 1 else
-           f"{len(runs)} runs, named with their commands in benchmarks/README.md")
+           f"{len(runs)} runs, commands in benchmarks/README.md")
     lengths = {t: " / ".join(f"{n:,}" for u, n in keep if u == t) for t, _ in keep}  # (a cell: a figure per length)
     head = (f"RULER {', '.join(f'{t} at {ns} tokens' for t, ns in lengths.items())}, "
             f"{'-'.join(map(str, (ns[0], ns[-1]) if len(ns) > 1 else ns))} samples a cell, "
