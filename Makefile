@@ -144,6 +144,11 @@ bench-tasks-2k-rest: tasks-extra
 	$(VPY) benchmarks/bench_tasks.py --tasks niah_single_1 --lengths 2048 --parallel 3 \
 		--policies random scissorhands snapkv streaming tova --name tasks_2k_b
 
+# The recommended config (SnapKV, request token sets) at 2,048 tokens: benchmarks/results/tasks_2k_request.json
+bench-tasks-2k-request: tasks-extra
+	$(VPY) benchmarks/bench_tasks.py --tasks niah_single_1 --lengths 2048 --policies --parallel 3 \
+		--name tasks_2k_request --variant 'request:snapkv:{"granularity": "request"}'
+
 # Dense (stock) accuracy of every task at 4,096 tokens: benchmarks/results/tasks_dense_4k.json
 bench-tasks-dense-4k: tasks-extra
 	$(VPY) benchmarks/bench_tasks.py --policies --lengths 4096 --limit 50 --parallel 3 --kv-bytes 1073741824 \
@@ -158,11 +163,6 @@ bench-tasks-4k-a: tasks-extra
 bench-tasks-4k-pick: tasks-extra
 	$(VPY) benchmarks/bench_tasks.py --tasks niah_single_1 --lengths 4096 --policies --ratios 0.25 --parallel 3 \
 		--kv-bytes 1073741824 --name tasks_4k_pick --variant 'request:snapkv:{"granularity": "request"}'
-
-# The recommended config (SnapKV, request token sets) at 2,048 tokens: benchmarks/results/tasks_2k_request.json
-bench-tasks-2k-request: tasks-extra
-	$(VPY) benchmarks/bench_tasks.py --tasks niah_single_1 --lengths 2048 --policies --parallel 3 \
-		--name tasks_2k_request --variant 'request:snapkv:{"granularity": "request"}'
 
 # Other settings at 1k: request token sets, eviction every 256 prompt tokens, the prompt compressed only
 # (slack 128), Expected Attention with a recent window: benchmarks/results/tasks_arms.json

@@ -688,7 +688,7 @@ def test_tasks_table_stock_is_the_same_task_and_length(tmp_path, monkeypatch):
         "| `h2o` | 3/50 |", "| `tova` | 9/50 |"]
 
 
-def _grid_2k(name: str, length: int = 2048) -> tuple[dict, set[str], str]:
+def _niah_run(name: str, length: int = 2048) -> tuple[dict, set[str], str]:
     """A niah_single_1 result at ``length`` tokens: (the file, its eviction cells' names, its load
     range); every cell 50 samples, its command the make target's."""
     d = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
@@ -699,6 +699,11 @@ def _grid_2k(name: str, length: int = 2048) -> tuple[dict, set[str], str]:
     return d, {f"{c['arm']} niah_single_1 {length}" for c in cells if c["policy"]}, f"load {min(loads):.1f}-{max(loads):.1f}"
 
 
+def _correct_by_ratio(cells: list[dict]) -> str:
+    """The eviction cells' correct answers at 12.5 / 25 / 50 %, as the README quotes them ("41 / 48 / 49")."""
+    return " / ".join(str(c["correct"]) for r in sorted(bt.RATIOS) for c in cells if c["budget_ratio"] == r)
+
+
 def test_benchmarks_readme_names_the_2k_run():
     """``make bench-tasks-2k``'s result: every policy at 2,048 tokens on the one task dense passes
     there, at the three budgets, 50 samples a cell. A run cut short (``--salvage``'d) names each cell
@@ -707,7 +712,7 @@ def test_benchmarks_readme_names_the_2k_run():
     (the table is the every-policy table's 2,048 column)."""
     if not (ROOT / "benchmarks" / "results" / "tasks_2k.json").exists():
         pytest.skip("results/tasks_2k.json not committed")
-    d, have, load = _grid_2k("tasks_2k.json")
+    d, have, load = _niah_run("tasks_2k.json")
     cells, missing = d["cells"], d.get("salvaged", {}).get("cells_missing", [])
     want = {f"{pol}-{r * 100:g}pct niah_single_1 2048" for pol in bt.POLICIES for r in bt.RATIOS}
     assert have | set(missing) == want and not have & set(missing)
@@ -721,7 +726,7 @@ def test_benchmarks_readme_names_the_2k_run():
     if not (ROOT / "benchmarks" / "results" / "tasks_2k_b.json").exists():
         assert (head + "; not yet: " + ", ".join(lacking) + ")") in flat
         return
-    rest, rest_have, rest_load = _grid_2k("tasks_2k_b.json")
+    rest, rest_have, rest_load = _niah_run("tasks_2k_b.json")
     assert rest_have == set(missing) and not rest.get("salvaged")
     assert (head + f"); the other {len(lacking)}, " + ", ".join(lacking) + ": `make bench-tasks-2k-rest` -> "
             f"`results/tasks_2k_b.json`, {len(rest['cells'])} cells, {rest['total_wall_s']:,.0f} s, {rest_load})") in flat
@@ -733,10 +738,10 @@ def test_benchmarks_readme_names_the_2k_request_run():
     the recommendation (README and benchmarks/README.md) weighs both lengths."""
     import doc_tables
 
-    d, have, load = _grid_2k("tasks_2k_request.json")
+    d, have, load = _niah_run("tasks_2k_request.json")
     assert have == {f"snapkv-{r * 100:g}pct-request niah_single_1 2048" for r in bt.RATIOS}
     assert d["settings"]["variants"]["request"]["config"] == {"granularity": "request"}
-    got = " / ".join(str(c["correct"]) for r in sorted(bt.RATIOS) for c in d["cells"] if c["budget_ratio"] == r)
+    got = _correct_by_ratio(d["cells"])
     flat = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
     assert (f"(2,048 tokens: {got}; `make bench-tasks-2k-request` -> `results/tasks_2k_request.json`, "
             f"{len(d['cells'])} cells, {d['total_wall_s']:,.0f} s, {load})") in flat
@@ -752,16 +757,16 @@ def test_benchmarks_readme_names_the_4k_runs():
     time and load."""
     if not (ROOT / "benchmarks" / "results" / "tasks_4k_a.json").exists():
         pytest.skip("results/tasks_4k_a.json not committed")
-    a, have, load = _grid_2k("tasks_4k_a.json", 4096)
+    a, have, load = _niah_run("tasks_4k_a.json", 4096)
     missing = a["salvaged"]["cells_missing"]
     assert have == {f"keydiff-{r * 100:g}pct niah_single_1 4096" for r in bt.RATIOS} and a["salvaged"]["why"]
     assert set(missing) == {f"snapkv-{r * 100:g}pct-request niah_single_1 4096" for r in bt.RATIOS}
-    kd = " / ".join(str(c["correct"]) for r in sorted(bt.RATIOS) for c in a["cells"] if c["budget_ratio"] == r)
+    kd = _correct_by_ratio(a["cells"])
     flat = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
     text = (f"**4,096 tokens** (`make bench-tasks-4k-a` -> `results/tasks_4k_a.json`, {len(a['cells'])} of "
             f"{len(a['cells']) + len(missing)} cells ({a['cells_wall_s_sum']:,.0f} s of cells, {load}; stopped after KeyDiff)")
     if (ROOT / "benchmarks" / "results" / "tasks_4k_pick.json").exists():
-        p, p_have, p_load = _grid_2k("tasks_4k_pick.json", 4096)
+        p, p_have, p_load = _niah_run("tasks_4k_pick.json", 4096)
         assert p_have == {"snapkv-25pct-request niah_single_1 4096"}
         (pick,) = [c for c in p["cells"] if c["policy"]]
         text += (f"; `make bench-tasks-4k-pick` -> `results/tasks_4k_pick.json`, {len(p['cells'])} cells, "
